@@ -1,0 +1,3 @@
+//! Compute backends. Only the CPU exists so far; `cuda` will sit beside it.
+
+pub mod cpu;

@@ -1,0 +1,42 @@
+//! The one error type of the library. Variants carry the context a user needs
+//! to act on the message (which op, which file, which shapes).
+
+use crate::memory::BudgetReport;
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    // === Shape errors ===
+    #[error("{op}: shape mismatch, expected {expected}, got {got}")]
+    ShapeMismatch {
+        op: &'static str,
+        expected: String,
+        got: String,
+    },
+    #[error("{op}: {reason}")]
+    InvalidArgument { op: &'static str, reason: String },
+
+    // === Memory ===
+    #[error("{0}")]
+    OutOfBudget(Box<BudgetReport>),
+
+    // === Input files ===
+    #[error("{path}: {reason}")]
+    BadWeights { path: String, reason: String },
+    #[error("{path}: {reason}")]
+    Io { path: String, reason: String },
+
+    // === Numerics ===
+    #[error("non-finite loss {loss} at step {step}")]
+    NonFiniteLoss { step: usize, loss: f32 },
+}
+
+impl Error {
+    pub fn invalid(op: &'static str, reason: impl Into<String>) -> Self {
+        Error::InvalidArgument {
+            op,
+            reason: reason.into(),
+        }
+    }
+}

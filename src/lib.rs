@@ -1,0 +1,18 @@
+//! memfit: train ResNet-family image classifiers inside a memory budget.
+//!
+//! The layers, bottom up (see `shared/DESIGN.md`): [`memory`] (the tracked
+//! pool every tensor buffer comes from), [`tensor`], [`device`] (CPU GEMM),
+//! [`ops`] (kernels with explicit forward/backward and f64 references),
+//! [`nn`] (stages of the ResNet chain), [`exec`] (runs the chain under a
+//! plan), [`optim`].
+
+pub mod device;
+pub mod error;
+pub mod exec;
+pub mod memory;
+pub mod nn;
+pub mod ops;
+pub mod optim;
+pub mod tensor;
+
+pub use error::{Error, Result};

@@ -1,0 +1,520 @@
+//! The tracked pool. Every tensor buffer is allocated here, tagged with a
+//! [`Category`] and a name, so live and peak bytes are facts, not estimates.
+//!
+//! * Accounting is by the bytes of storage tensors hold (`live`), per category
+//!   and in total, with peaks. `reserved` additionally counts cached free
+//!   blocks, like PyTorch's reserved vs allocated.
+//! * Freed storage is kept in a free list keyed by (dtype, length) and handed
+//!   out again for the same request, so a training step that repeats the same
+//!   shapes does no system allocation after the first step.
+//! * An optional hard budget on live bytes: a request that would cross it
+//!   fails with [`Error::OutOfBudget`] and a [`BudgetReport`]. Cached blocks
+//!   are dropped before reserved memory would cross the budget.
+//! * An optional timeline records every alloc/free event.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::error::{Error, Result};
+use crate::tensor::{DType, Shape, Storage, Tensor};
+
+/// What a buffer is for. The planner and the reports speak in these.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Category {
+    Params,
+    Grads,
+    Optimizer,
+    Activations,
+    Workspace,
+    Data,
+}
+
+impl Category {
+    pub const ALL: [Category; 6] = [
+        Category::Params,
+        Category::Grads,
+        Category::Optimizer,
+        Category::Activations,
+        Category::Workspace,
+        Category::Data,
+    ];
+
+    fn index(self) -> usize {
+        self as usize
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Category::Params => "params",
+            Category::Grads => "grads",
+            Category::Optimizer => "optimizer",
+            Category::Activations => "activations",
+            Category::Workspace => "workspace",
+            Category::Data => "data",
+        }
+    }
+}
+
+/// A buffer's name: a shared prefix (usually a torchvision module path such
+/// as `layer3.2.conv1`) and a static field (`y`, `col`, ...). Cloning is
+/// cheap, so tagging an allocation never allocates.
+#[derive(Clone, Debug)]
+pub struct Tag {
+    prefix: Option<Arc<str>>,
+    field: &'static str,
+}
+
+impl Tag {
+    pub fn new(prefix: &Arc<str>, field: &'static str) -> Self {
+        Tag {
+            prefix: Some(prefix.clone()),
+            field,
+        }
+    }
+
+    pub fn fixed(field: &'static str) -> Self {
+        Tag {
+            prefix: None,
+            field,
+        }
+    }
+}
+
+impl fmt::Display for Tag {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.prefix {
+            Some(p) if self.field.is_empty() => write!(f, "{p}"),
+            Some(p) => write!(f, "{p}.{}", self.field),
+            None => write!(f, "{}", self.field),
+        }
+    }
+}
+
+/// Bytes per category, indexable by [`Category`].
+#[derive(Clone, Copy, Default, Debug, PartialEq, Eq)]
+pub struct ByCategory([usize; 6]);
+
+impl ByCategory {
+    pub fn get(&self, c: Category) -> usize {
+        self.0[c.index()]
+    }
+    pub fn total(&self) -> usize {
+        self.0.iter().sum()
+    }
+}
+
+impl fmt::Display for ByCategory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let parts: Vec<String> = Category::ALL
+            .iter()
+            .map(|c| format!("{} {}", c.name(), fmt_bytes(self.get(*c))))
+            .collect();
+        write!(f, "{}", parts.join(", "))
+    }
+}
+
+/// `1536` -> `"1.50 KiB"`.
+pub fn fmt_bytes(b: usize) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u < UNITS.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.2} {}", UNITS[u])
+    }
+}
+
+/// Why an allocation was refused.
+#[derive(Debug, Clone)]
+pub struct BudgetReport {
+    pub tag: String,
+    pub category: Category,
+    pub requested: usize,
+    pub budget: usize,
+    pub live: ByCategory,
+    /// The largest live buffers, largest first: (tag, category, bytes).
+    pub largest: Vec<(String, Category, usize)>,
+}
+
+impl fmt::Display for BudgetReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "out of memory budget: {} ({}) needs {} but {} of the {} budget are live",
+            self.tag,
+            self.category.name(),
+            fmt_bytes(self.requested),
+            fmt_bytes(self.live.total()),
+            fmt_bytes(self.budget),
+        )?;
+        writeln!(f, "  live by category: {}", self.live)?;
+        write!(f, "  largest live buffers:")?;
+        for (tag, cat, bytes) in &self.largest {
+            write!(
+                f,
+                "\n    {:>12}  {:<11} {tag}",
+                fmt_bytes(*bytes),
+                cat.name()
+            )?;
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventKind {
+    Alloc,
+    Free,
+}
+
+/// One timeline entry.
+#[derive(Clone, Debug)]
+pub struct Event {
+    pub kind: EventKind,
+    pub id: u64,
+    pub category: Category,
+    pub bytes: usize,
+    /// Total live bytes after the event.
+    pub live_total: usize,
+}
+
+/// A snapshot of the pool's counters.
+#[derive(Clone, Debug, Default)]
+pub struct MemoryStats {
+    pub live: ByCategory,
+    /// Each category's own high-water mark.
+    pub peak: ByCategory,
+    /// The highest total of live bytes.
+    pub peak_total: usize,
+    /// Live bytes per category at the moment `peak_total` was reached.
+    pub at_peak: ByCategory,
+    /// Live plus cached free storage.
+    pub reserved: usize,
+    /// Storage requests that had to go to the system allocator.
+    pub system_allocs: u64,
+    /// Storage requests served from the free list.
+    pub reuses: u64,
+}
+
+struct LiveEntry {
+    tag: Tag,
+    category: Category,
+    bytes: usize,
+}
+
+#[derive(Default)]
+struct PoolState {
+    live: [usize; 6],
+    peak: [usize; 6],
+    live_total: usize,
+    peak_total: usize,
+    at_peak: [usize; 6],
+    cached_bytes: usize,
+    budget: Option<usize>,
+    free: HashMap<(DType, usize), Vec<Storage>>,
+    system_allocs: u64,
+    reuses: u64,
+    next_id: u64,
+    entries: HashMap<u64, LiveEntry>,
+    timeline: Option<Vec<Event>>,
+}
+
+impl PoolState {
+    fn drop_cache(&mut self) {
+        self.free.clear();
+        self.cached_bytes = 0;
+    }
+
+    fn report(&self, tag: &Tag, category: Category, requested: usize) -> BudgetReport {
+        let mut largest: Vec<(String, Category, usize)> = self
+            .entries
+            .values()
+            .map(|e| (e.tag.to_string(), e.category, e.bytes))
+            .collect();
+        largest.sort_by(|a, b| b.2.cmp(&a.2).then_with(|| a.0.cmp(&b.0)));
+        largest.truncate(8);
+        BudgetReport {
+            tag: tag.to_string(),
+            category,
+            requested,
+            budget: self.budget.unwrap_or(usize::MAX),
+            live: ByCategory(self.live),
+            largest,
+        }
+    }
+}
+
+/// A handle to the pool; clones share it.
+#[derive(Clone, Default)]
+pub struct Pool {
+    state: Arc<Mutex<PoolState>>,
+}
+
+impl Pool {
+    pub fn new() -> Self {
+        Pool::default()
+    }
+
+    /// A pool that refuses to hold more than `budget` live bytes.
+    pub fn with_budget(budget: usize) -> Self {
+        let pool = Pool::new();
+        pool.set_budget(Some(budget));
+        pool
+    }
+
+    fn lock(&self) -> MutexGuard<'_, PoolState> {
+        // A panic while holding the lock leaves counters that are still
+        // consistent (each update is a few integer writes), so recover.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn set_budget(&self, budget: Option<usize>) {
+        self.lock().budget = budget;
+    }
+
+    pub fn budget(&self) -> Option<usize> {
+        self.lock().budget
+    }
+
+    /// Start (or restart) recording a timeline of events.
+    pub fn record_timeline(&self, on: bool) {
+        self.lock().timeline = if on { Some(Vec::new()) } else { None };
+    }
+
+    pub fn timeline(&self) -> Vec<Event> {
+        self.lock().timeline.clone().unwrap_or_default()
+    }
+
+    pub fn stats(&self) -> MemoryStats {
+        let s = self.lock();
+        MemoryStats {
+            live: ByCategory(s.live),
+            peak: ByCategory(s.peak),
+            peak_total: s.peak_total,
+            at_peak: ByCategory(s.at_peak),
+            reserved: s.live_total + s.cached_bytes,
+            system_allocs: s.system_allocs,
+            reuses: s.reuses,
+        }
+    }
+
+    pub fn live_bytes(&self) -> usize {
+        self.lock().live_total
+    }
+
+    /// Forget the peaks: they restart from what is live now.
+    pub fn reset_peak(&self) {
+        let mut s = self.lock();
+        s.peak = s.live;
+        s.peak_total = s.live_total;
+        s.at_peak = s.live;
+    }
+
+    /// Return all cached free storage to the system.
+    pub fn empty_cache(&self) {
+        self.lock().drop_cache();
+    }
+
+    /// Live buffers as (tag, category, bytes), largest first.
+    pub fn live_buffers(&self) -> Vec<(String, Category, usize)> {
+        let s = self.lock();
+        let mut v: Vec<_> = s
+            .entries
+            .values()
+            .map(|e| (e.tag.to_string(), e.category, e.bytes))
+            .collect();
+        v.sort_by(|a, b| b.2.cmp(&a.2).then_with(|| a.0.cmp(&b.0)));
+        v
+    }
+
+    /// A tensor whose contents are unspecified (whatever the reused storage
+    /// held, or zeros when fresh). Callers must overwrite every element.
+    pub fn empty(
+        &self,
+        dims: &[usize],
+        dtype: DType,
+        category: Category,
+        tag: Tag,
+    ) -> Result<Tensor> {
+        self.allocate(Shape::new(dims), dtype, category, tag, false)
+    }
+
+    /// A zero-filled tensor.
+    pub fn zeros(
+        &self,
+        dims: &[usize],
+        dtype: DType,
+        category: Category,
+        tag: Tag,
+    ) -> Result<Tensor> {
+        self.allocate(Shape::new(dims), dtype, category, tag, true)
+    }
+
+    /// Shorthands for f32 tensors, the common case.
+    pub fn empty_f32(&self, dims: &[usize], category: Category, tag: Tag) -> Result<Tensor> {
+        self.empty(dims, DType::F32, category, tag)
+    }
+
+    pub fn zeros_f32(&self, dims: &[usize], category: Category, tag: Tag) -> Result<Tensor> {
+        self.zeros(dims, DType::F32, category, tag)
+    }
+
+    /// An f32 tensor holding a copy of `values`.
+    pub fn from_f32(
+        &self,
+        dims: &[usize],
+        values: &[f32],
+        category: Category,
+        tag: Tag,
+    ) -> Result<Tensor> {
+        let shape = Shape::new(dims);
+        if shape.numel() != values.len() {
+            return Err(Error::ShapeMismatch {
+                op: "Pool::from_f32",
+                expected: format!("{} values for {dims:?}", shape.numel()),
+                got: values.len().to_string(),
+            });
+        }
+        let mut t = self.allocate(shape, DType::F32, category, tag, false)?;
+        t.f32_mut().copy_from_slice(values);
+        Ok(t)
+    }
+
+    fn allocate(
+        &self,
+        shape: Shape,
+        dtype: DType,
+        category: Category,
+        tag: Tag,
+        zero: bool,
+    ) -> Result<Tensor> {
+        let numel = shape.numel();
+        let bytes = dtype.storage_bytes(numel);
+        let len = dtype.storage_len(numel);
+        let mut s = self.lock();
+        if let Some(budget) = s.budget
+            && s.live_total + bytes > budget
+        {
+            return Err(Error::OutOfBudget(Box::new(
+                s.report(&tag, category, bytes),
+            )));
+        }
+        let reused = s.free.get_mut(&(dtype, len)).and_then(|v| v.pop());
+        let storage = match reused {
+            Some(mut st) => {
+                s.cached_bytes -= bytes;
+                s.reuses += 1;
+                if zero {
+                    st.fill_zero();
+                }
+                st
+            }
+            None => {
+                // Keep reserved memory under the budget too: drop the cache
+                // before asking the system for more.
+                if let Some(budget) = s.budget
+                    && s.live_total + s.cached_bytes + bytes > budget
+                {
+                    s.drop_cache();
+                }
+                s.system_allocs += 1;
+                Storage::zeroed(dtype, len)
+            }
+        };
+        let id = s.next_id;
+        s.next_id += 1;
+        let c = category.index();
+        s.live[c] += bytes;
+        s.live_total += bytes;
+        s.peak[c] = s.peak[c].max(s.live[c]);
+        if s.live_total > s.peak_total {
+            s.peak_total = s.live_total;
+            s.at_peak = s.live;
+        }
+        let live_total = s.live_total;
+        if let Some(tl) = s.timeline.as_mut() {
+            tl.push(Event {
+                kind: EventKind::Alloc,
+                id,
+                category,
+                bytes,
+                live_total,
+            });
+        }
+        s.entries.insert(
+            id,
+            LiveEntry {
+                tag,
+                category,
+                bytes,
+            },
+        );
+        drop(s);
+        let lease = Lease {
+            pool: self.clone(),
+            id,
+            bytes,
+        };
+        Ok(Tensor::from_parts(shape, storage, lease))
+    }
+
+    fn release(&self, id: u64, storage: Storage) {
+        let mut s = self.lock();
+        let Some(entry) = s.entries.remove(&id) else {
+            return;
+        };
+        let c = entry.category.index();
+        s.live[c] -= entry.bytes;
+        s.live_total -= entry.bytes;
+        let live_total = s.live_total;
+        if let Some(tl) = s.timeline.as_mut() {
+            tl.push(Event {
+                kind: EventKind::Free,
+                id,
+                category: entry.category,
+                bytes: entry.bytes,
+                live_total,
+            });
+        }
+        s.cached_bytes += entry.bytes;
+        s.free
+            .entry((storage.dtype(), storage.len()))
+            .or_default()
+            .push(storage);
+    }
+
+    fn tag_of(&self, id: u64) -> String {
+        self.lock()
+            .entries
+            .get(&id)
+            .map(|e| e.tag.to_string())
+            .unwrap_or_else(|| format!("#{id}"))
+    }
+}
+
+/// A tensor's claim on pool storage; returns it on release.
+pub struct Lease {
+    pool: Pool,
+    id: u64,
+    bytes: usize,
+}
+
+impl Lease {
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    pub fn tag(&self) -> String {
+        self.pool.tag_of(self.id)
+    }
+
+    pub(crate) fn release(&self, storage: Storage) {
+        self.pool.release(self.id, storage);
+    }
+}

@@ -1,0 +1,455 @@
+//! Batch normalisation over NHWC rows: `x` is (rows = n·h·w, c) row-major.
+//!
+//! PyTorch semantics: training normalises with the batch mean and *biased*
+//! variance; the running statistics move with momentum using the *unbiased*
+//! variance; eval and frozen modes normalise with the running statistics.
+//! An optional ReLU is fused into the forward, and its mask into the
+//! backward (taken from the saved ReLU output, which is > 0 exactly where the
+//! ReLU passed its input).
+
+use rayon::prelude::*;
+
+use crate::ops::REDUCE_CHUNK_ROWS;
+
+/// Per-channel sums of `f(row_values, acc)` over fixed chunks of rows,
+/// combined in order: deterministic whatever the number of threads.
+fn channel_sums<const K: usize>(
+    rows: usize,
+    c: usize,
+    chunk_fn: impl Fn(std::ops::Range<usize>, &mut [[f64; K]]) + Sync,
+) -> Vec<[f64; K]> {
+    let chunks: Vec<Vec<[f64; K]>> = (0..rows.div_ceil(REDUCE_CHUNK_ROWS))
+        .into_par_iter()
+        .map(|i| {
+            let mut acc = vec![[0.0; K]; c];
+            let r0 = i * REDUCE_CHUNK_ROWS;
+            chunk_fn(r0..(r0 + REDUCE_CHUNK_ROWS).min(rows), &mut acc);
+            acc
+        })
+        .collect();
+    let mut total = vec![[0.0; K]; c];
+    for chunk in chunks {
+        for (t, a) in total.iter_mut().zip(chunk) {
+            for k in 0..K {
+                t[k] += a[k];
+            }
+        }
+    }
+    total
+}
+
+/// Batch mean and biased variance per channel of `x` (rows, c).
+pub fn bn_batch_stats(mean: &mut [f32], var: &mut [f32], x: &[f32], c: usize) {
+    let rows = x.len() / c;
+    // Shifted sums (by the first row) keep the variance accurate when the
+    // mean is large relative to the spread.
+    let shift: Vec<f32> = x[..c].to_vec();
+    let sums = channel_sums::<2>(rows, c, |range, acc| {
+        for r in range {
+            for ((a, &v), &s) in acc.iter_mut().zip(&x[r * c..(r + 1) * c]).zip(&shift) {
+                let d = (v - s) as f64;
+                a[0] += d;
+                a[1] += d * d;
+            }
+        }
+    });
+    for ch in 0..c {
+        let m = sums[ch][0] / rows as f64;
+        mean[ch] = (shift[ch] as f64 + m) as f32;
+        var[ch] = (sums[ch][1] / rows as f64 - m * m).max(0.0) as f32;
+    }
+}
+
+/// `running = (1 - momentum)·running + momentum·batch`, with the batch
+/// variance made unbiased (`rows / (rows - 1)`) as PyTorch does.
+pub fn bn_update_running(
+    running_mean: &mut [f32],
+    running_var: &mut [f32],
+    mean: &[f32],
+    var: &[f32],
+    rows: usize,
+    momentum: f32,
+) {
+    let unbias = if rows > 1 {
+        rows as f32 / (rows - 1) as f32
+    } else {
+        1.0
+    };
+    for ch in 0..mean.len() {
+        running_mean[ch] = (1.0 - momentum) * running_mean[ch] + momentum * mean[ch];
+        running_var[ch] = (1.0 - momentum) * running_var[ch] + momentum * var[ch] * unbias;
+    }
+}
+
+/// `1 / sqrt(var + eps)` per channel.
+pub fn bn_rstd(rstd: &mut [f32], var: &[f32], eps: f32) {
+    for (r, &v) in rstd.iter_mut().zip(var) {
+        *r = 1.0 / (v + eps).sqrt();
+    }
+}
+
+/// y = gamma·(x - mean)·rstd + beta, then ReLU when `relu`.
+/// Works for every mode: pass batch or running statistics.
+#[allow(clippy::too_many_arguments)]
+pub fn bn_forward(
+    y: &mut [f32],
+    x: &[f32],
+    mean: &[f32],
+    rstd: &[f32],
+    gamma: &[f32],
+    beta: &[f32],
+    c: usize,
+    relu: bool,
+) {
+    // Fold into one multiply-add per element.
+    let scale: Vec<f32> = gamma.iter().zip(rstd).map(|(g, r)| g * r).collect();
+    let shift: Vec<f32> = (0..c).map(|ch| beta[ch] - mean[ch] * scale[ch]).collect();
+    y.par_chunks_mut(REDUCE_CHUNK_ROWS * c)
+        .zip(x.par_chunks(REDUCE_CHUNK_ROWS * c))
+        .for_each(|(yc, xc)| {
+            for (yr, xr) in yc.chunks_exact_mut(c).zip(xc.chunks_exact(c)) {
+                for ch in 0..c {
+                    let v = xr[ch] * scale[ch] + shift[ch];
+                    yr[ch] = if relu { v.max(0.0) } else { v };
+                }
+            }
+        });
+}
+
+/// Gradients of [`bn_forward`]. `dx` is overwritten; `dgamma`, `dbeta`
+/// accumulate when given (frozen BN passes `None`).
+///
+/// * `batch_stats`: the statistics came from this batch (training), so the
+///   gradient flows through the mean and variance too; otherwise they are
+///   constants (eval, frozen).
+/// * `relu_out`: the fused ReLU's output; the upstream gradient passes
+///   where it is > 0.
+#[allow(clippy::too_many_arguments)]
+pub fn bn_backward(
+    dx: &mut [f32],
+    dgamma: Option<&mut [f32]>,
+    dbeta: Option<&mut [f32]>,
+    dy: &[f32],
+    x: &[f32],
+    mean: &[f32],
+    rstd: &[f32],
+    gamma: &[f32],
+    relu_out: Option<&[f32]>,
+    c: usize,
+    batch_stats: bool,
+) {
+    let rows = x.len() / c;
+    let masked = |r: usize, ch: usize| -> f32 {
+        let i = r * c + ch;
+        match relu_out {
+            Some(o) if o[i] <= 0.0 => 0.0,
+            _ => dy[i],
+        }
+    };
+    // sums[ch] = [Σ g, Σ g·xhat]
+    let sums = channel_sums::<2>(rows, c, |range, acc| {
+        for r in range {
+            for ch in 0..c {
+                let g = masked(r, ch) as f64;
+                let xhat = ((x[r * c + ch] - mean[ch]) * rstd[ch]) as f64;
+                acc[ch][0] += g;
+                acc[ch][1] += g * xhat;
+            }
+        }
+    });
+    if let Some(db) = dbeta {
+        for ch in 0..c {
+            db[ch] += sums[ch][0] as f32;
+        }
+    }
+    if let Some(dg) = dgamma {
+        for ch in 0..c {
+            dg[ch] += sums[ch][1] as f32;
+        }
+    }
+    let scale: Vec<f32> = (0..c).map(|ch| gamma[ch] * rstd[ch]).collect();
+    // Training: dx = scale·(g - mean(g) - xhat·mean(g·xhat)).
+    let (mean_g, mean_gx): (Vec<f32>, Vec<f32>) = if batch_stats {
+        sums.iter()
+            .map(|s| ((s[0] / rows as f64) as f32, (s[1] / rows as f64) as f32))
+            .unzip()
+    } else {
+        (vec![0.0; c], vec![0.0; c])
+    };
+    dx.par_chunks_mut(REDUCE_CHUNK_ROWS * c)
+        .enumerate()
+        .for_each(|(i, dxc)| {
+            let r0 = i * REDUCE_CHUNK_ROWS;
+            for (j, dxr) in dxc.chunks_exact_mut(c).enumerate() {
+                let r = r0 + j;
+                for ch in 0..c {
+                    let xhat = (x[r * c + ch] - mean[ch]) * rstd[ch];
+                    dxr[ch] = scale[ch] * (masked(r, ch) - mean_g[ch] - xhat * mean_gx[ch]);
+                }
+            }
+        });
+}
+
+/// f64 reference forward. With `batch_stats`, normalises with the batch's
+/// biased variance; otherwise with the given `mean`/`var`. Returns y.
+pub fn bn_forward_ref(
+    x: &[f64],
+    gamma: &[f64],
+    beta: &[f64],
+    stats: Option<(&[f64], &[f64])>,
+    c: usize,
+    eps: f64,
+    relu: bool,
+) -> Vec<f64> {
+    let (mean, var) = match stats {
+        Some((m, v)) => (m.to_vec(), v.to_vec()),
+        None => bn_batch_stats_ref(x, c),
+    };
+    x.chunks(c)
+        .flat_map(|row| {
+            (0..c)
+                .map(|ch| {
+                    let v = gamma[ch] * (row[ch] - mean[ch]) / (var[ch] + eps).sqrt() + beta[ch];
+                    if relu { v.max(0.0) } else { v }
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// f64 batch mean and biased variance, by the two-pass definition.
+pub fn bn_batch_stats_ref(x: &[f64], c: usize) -> (Vec<f64>, Vec<f64>) {
+    let rows = (x.len() / c) as f64;
+    let mut mean = vec![0.0; c];
+    for row in x.chunks(c) {
+        for ch in 0..c {
+            mean[ch] += row[ch] / rows;
+        }
+    }
+    let mut var = vec![0.0; c];
+    for row in x.chunks(c) {
+        for ch in 0..c {
+            var[ch] += (row[ch] - mean[ch]).powi(2) / rows;
+        }
+    }
+    (mean, var)
+}
+
+/// f64 reference gradients of `sum(dy * bn(x))` in training mode (batch
+/// statistics), derived independently of the fast kernel: through the chain
+/// rule on mean and variance. Returns (dx, dgamma, dbeta).
+pub fn bn_backward_train_ref(
+    dy: &[f64],
+    x: &[f64],
+    gamma: &[f64],
+    c: usize,
+    eps: f64,
+) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let rows = x.len() / c;
+    let m = rows as f64;
+    let (mean, var) = bn_batch_stats_ref(x, c);
+    let mut dx = vec![0.0; x.len()];
+    let mut dgamma = vec![0.0; c];
+    let mut dbeta = vec![0.0; c];
+    for ch in 0..c {
+        let sd = (var[ch] + eps).sqrt();
+        // y = gamma·(x - mu)/sd + beta
+        let mut d_var = 0.0;
+        let mut d_mu = 0.0;
+        for r in 0..rows {
+            let i = r * c + ch;
+            let xc = x[i] - mean[ch];
+            dgamma[ch] += dy[i] * xc / sd;
+            dbeta[ch] += dy[i];
+            let d_xhat = dy[i] * gamma[ch];
+            d_var += d_xhat * xc * -0.5 * (var[ch] + eps).powf(-1.5);
+            d_mu += -d_xhat / sd;
+        }
+        let sum_xc: f64 = (0..rows).map(|r| x[r * c + ch] - mean[ch]).sum();
+        d_mu += d_var * -2.0 * sum_xc / m;
+        for r in 0..rows {
+            let i = r * c + ch;
+            dx[i] = dy[i] * gamma[ch] / sd + d_var * 2.0 * (x[i] - mean[ch]) / m + d_mu / m;
+        }
+    }
+    (dx, dgamma, dbeta)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::testutil::*;
+
+    fn shifted(r: &mut rand::rngs::ChaCha8Rng, n: usize, s: f32, o: f32) -> Vec<f32> {
+        rand_vec(r, n).into_iter().map(|v| v * s + o).collect()
+    }
+
+    #[test]
+    fn train_forward_backward_match_reference() {
+        let mut r = rng(10);
+        for &(rows, c) in &[(1usize * 5 * 7, 3usize), (2 * 3 * 3, 5), (1300, 4)] {
+            let x = shifted(&mut r, rows * c, 2.0, 0.7);
+            let gamma = shifted(&mut r, c, 0.5, 1.0);
+            let beta = rand_vec(&mut r, c);
+            let dy = rand_vec(&mut r, rows * c);
+            let (mut mean, mut var, mut rstd) = (vec![0.0; c], vec![0.0; c], vec![0.0; c]);
+            bn_batch_stats(&mut mean, &mut var, &x, c);
+            let (mean_ref, var_ref) = bn_batch_stats_ref(&to_f64(&x), c);
+            assert_close("mean", &mean, &mean_ref, 1e-6, 1e-5);
+            assert_close("var", &var, &var_ref, 1e-6, 1e-5);
+            bn_rstd(&mut rstd, &var, 1e-5);
+            for relu in [false, true] {
+                let mut y = vec![0.0; rows * c];
+                bn_forward(&mut y, &x, &mean, &rstd, &gamma, &beta, c, relu);
+                let y_ref = bn_forward_ref(
+                    &to_f64(&x),
+                    &to_f64(&gamma),
+                    &to_f64(&beta),
+                    None,
+                    c,
+                    1e-5,
+                    relu,
+                );
+                assert_close("y", &y, &y_ref, 1e-5, 1e-5);
+
+                let (mut dx, mut dg, mut db) = (vec![0.0; rows * c], vec![0.5; c], vec![0.5; c]);
+                let relu_out = relu.then_some(&y[..]);
+                bn_backward(
+                    &mut dx,
+                    Some(&mut dg),
+                    Some(&mut db),
+                    &dy,
+                    &x,
+                    &mean,
+                    &rstd,
+                    &gamma,
+                    relu_out,
+                    c,
+                    true,
+                );
+                // Reference: the mask applied to dy, then plain BN backward.
+                let dy_masked: Vec<f64> = dy
+                    .iter()
+                    .zip(&y_ref)
+                    .map(|(&d, &o)| if relu && o <= 0.0 { 0.0 } else { d as f64 })
+                    .collect();
+                let (dx_ref, dg_ref, db_ref) =
+                    bn_backward_train_ref(&dy_masked, &to_f64(&x), &to_f64(&gamma), c, 1e-5);
+                let plus = |v: Vec<f64>| v.into_iter().map(|a| a + 0.5).collect::<Vec<_>>();
+                assert_close("dx", &dx, &dx_ref, 1e-5, 1e-4);
+                assert_close("dgamma", &dg, &plus(dg_ref), 1e-4, 1e-5);
+                assert_close("dbeta", &db, &plus(db_ref), 1e-4, 1e-5);
+            }
+        }
+    }
+
+    #[test]
+    fn eval_mode_uses_given_statistics() {
+        let mut r = rng(11);
+        let (rows, c) = (30, 3);
+        let x = rand_vec(&mut r, rows * c);
+        let gamma = shifted(&mut r, c, 0.5, 1.0);
+        let beta = rand_vec(&mut r, c);
+        let rm = rand_vec(&mut r, c);
+        let rv = shifted(&mut r, c, 0.3, 1.0);
+        let dy = rand_vec(&mut r, rows * c);
+        let mut rstd = vec![0.0; c];
+        bn_rstd(&mut rstd, &rv, 1e-5);
+        let mut y = vec![0.0; rows * c];
+        bn_forward(&mut y, &x, &rm, &rstd, &gamma, &beta, c, false);
+        let (rm64, rv64) = (to_f64(&rm), to_f64(&rv));
+        let y_ref = bn_forward_ref(
+            &to_f64(&x),
+            &to_f64(&gamma),
+            &to_f64(&beta),
+            Some((&rm64, &rv64)),
+            c,
+            1e-5,
+            false,
+        );
+        assert_close("y eval", &y, &y_ref, 1e-5, 1e-5);
+        // Constant statistics: dx = dy·gamma·rstd; check against FD of the reference.
+        let mut dx = vec![0.0; rows * c];
+        bn_backward(
+            &mut dx, None, None, &dy, &x, &rm, &rstd, &gamma, None, c, false,
+        );
+        let fd = finite_diff(&to_f64(&x), 1e-6, |xp| {
+            dot(
+                &bn_forward_ref(
+                    xp,
+                    &to_f64(&gamma),
+                    &to_f64(&beta),
+                    Some((&rm64, &rv64)),
+                    c,
+                    1e-5,
+                    false,
+                ),
+                &to_f64(&dy),
+            )
+        });
+        assert_close("dx eval", &dx, &fd, 1e-5, 1e-4);
+    }
+
+    #[test]
+    fn reference_backward_matches_finite_differences() {
+        let mut r = rng(12);
+        let (rows, c) = (12, 3);
+        let x = to_f64(&shifted(&mut r, rows * c, 1.5, 0.3));
+        let gamma = to_f64(&shifted(&mut r, c, 0.5, 1.0));
+        let beta = to_f64(&rand_vec(&mut r, c));
+        let dy = to_f64(&rand_vec(&mut r, rows * c));
+        let (dx, dg, db) = bn_backward_train_ref(&dy, &x, &gamma, c, 1e-5);
+        let loss = |x: &[f64], g: &[f64], b: &[f64]| {
+            dot(&bn_forward_ref(x, g, b, None, c, 1e-5, false), &dy)
+        };
+        assert_close64(
+            "fd dx",
+            &dx,
+            &finite_diff(&x, 1e-6, |p| loss(p, &gamma, &beta)),
+            1e-6,
+            1e-5,
+        );
+        assert_close64(
+            "fd dgamma",
+            &dg,
+            &finite_diff(&gamma, 1e-6, |p| loss(&x, p, &beta)),
+            1e-6,
+            1e-5,
+        );
+        assert_close64(
+            "fd dbeta",
+            &db,
+            &finite_diff(&beta, 1e-6, |p| loss(&x, &gamma, p)),
+            1e-6,
+            1e-5,
+        );
+    }
+
+    #[test]
+    fn running_stats_use_unbiased_variance() {
+        let (mut rm, mut rv) = (vec![1.0f32], vec![2.0f32]);
+        // rows = 4, biased var 1.25 -> unbiased 5/3.
+        bn_update_running(&mut rm, &mut rv, &[0.5], &[1.25], 4, 0.1);
+        assert!((rm[0] - (0.9 + 0.05)).abs() < 1e-7);
+        assert!((rv[0] - (1.8 + 0.1 * 1.25 * 4.0 / 3.0)).abs() < 1e-6);
+    }
+
+    #[test]
+    fn statistics_do_not_depend_on_thread_count() {
+        let mut r = rng(13);
+        let c = 8;
+        let x = shifted(&mut r, 5000 * c, 3.0, 1.0);
+        let run = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            pool.install(|| {
+                let (mut m, mut v) = (vec![0.0; c], vec![0.0; c]);
+                bn_batch_stats(&mut m, &mut v, &x, c);
+                (m, v)
+            })
+        };
+        assert_eq!(run(1), run(3));
+    }
+}

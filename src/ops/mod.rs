@@ -1,0 +1,28 @@
+//! Kernels with explicit forward and backward passes on NHWC slices.
+//!
+//! Conventions (one file per op, each with a naive f64 `*_ref` beside the
+//! fast kernel and tests against it and against finite differences):
+//! * outputs come first in a signature, then inputs, then geometry;
+//! * parameter gradients always accumulate (`+=`), so gradient accumulation
+//!   over micro-batches is free; input gradients are overwritten unless the
+//!   doc says they accumulate (conv dgrad does, for residual fan-in);
+//! * kernels never allocate tensors: callers pass workspaces sized by the
+//!   op's `*_workspace_len`, so every byte is visible to the pool;
+//! * reductions run over fixed-size chunks combined in a fixed order, so
+//!   results do not depend on the number of threads.
+
+pub mod add;
+pub mod avgpool;
+pub mod batchnorm;
+pub mod conv2d;
+pub mod cross_entropy;
+pub mod linear;
+pub mod maxpool;
+pub mod relu;
+
+#[cfg(test)]
+pub(crate) mod testutil;
+
+/// Rows per chunk for per-channel reductions: fixed, so the summation order
+/// (and therefore the result) is the same whatever the thread count.
+pub(crate) const REDUCE_CHUNK_ROWS: usize = 512;

@@ -1,0 +1,130 @@
+//! ReLU, plain and with a packed bit mask (one bit per element, so a block's
+//! final ReLU costs 1/32 of its output to remember).
+
+use rayon::prelude::*;
+
+const CHUNK: usize = 1 << 14; // elements per parallel chunk, a multiple of 8
+
+/// y = max(x, 0).
+pub fn relu_forward(y: &mut [f32], x: &[f32]) {
+    y.par_chunks_mut(CHUNK)
+        .zip(x.par_chunks(CHUNK))
+        .for_each(|(y, x)| {
+            for (o, &i) in y.iter_mut().zip(x) {
+                *o = i.max(0.0);
+            }
+        });
+}
+
+/// dx = dy where the forward output `y` is > 0, else 0 (overwrites dx).
+pub fn relu_backward(dx: &mut [f32], dy: &[f32], y: &[f32]) {
+    dx.par_chunks_mut(CHUNK)
+        .zip(dy.par_chunks(CHUNK).zip(y.par_chunks(CHUNK)))
+        .for_each(|(dx, (dy, y))| {
+            for ((d, &g), &o) in dx.iter_mut().zip(dy).zip(y) {
+                *d = if o > 0.0 { g } else { 0.0 };
+            }
+        });
+}
+
+/// In place: x = max(x + residual, 0), and bit i of `mask` = (x_i > 0).
+/// This is the residual add and final ReLU of a block in one pass.
+pub fn add_relu_forward(x: &mut [f32], residual: &[f32], mask: &mut [u8]) {
+    assert_eq!(x.len(), residual.len(), "add_relu_forward: lengths");
+    assert_eq!(
+        mask.len(),
+        x.len().div_ceil(8),
+        "add_relu_forward: mask length"
+    );
+    x.par_chunks_mut(CHUNK)
+        .zip(residual.par_chunks(CHUNK))
+        .zip(mask.par_chunks_mut(CHUNK / 8))
+        .for_each(|((x, res), mask)| {
+            mask.fill(0);
+            for (i, (v, &r)) in x.iter_mut().zip(res).enumerate() {
+                let s = *v + r;
+                if s > 0.0 {
+                    *v = s;
+                    mask[i / 8] |= 1 << (i % 8);
+                } else {
+                    *v = 0.0;
+                }
+            }
+        });
+}
+
+/// dx = dy where the mask bit is set, else 0 (overwrites dx).
+pub fn relu_mask_backward(dx: &mut [f32], dy: &[f32], mask: &[u8]) {
+    dx.par_chunks_mut(CHUNK)
+        .zip(dy.par_chunks(CHUNK))
+        .zip(mask.par_chunks(CHUNK / 8))
+        .for_each(|((dx, dy), mask)| {
+            for (i, (d, &g)) in dx.iter_mut().zip(dy).enumerate() {
+                *d = if mask[i / 8] >> (i % 8) & 1 == 1 {
+                    g
+                } else {
+                    0.0
+                };
+            }
+        });
+}
+
+pub fn relu_ref(x: &[f64]) -> Vec<f64> {
+    x.iter().map(|&v| if v > 0.0 { v } else { 0.0 }).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::testutil::*;
+
+    #[test]
+    fn relu_and_masked_relu_match_reference() {
+        let mut r = rng(20);
+        let n = 3 * CHUNK + 13; // several chunks and a ragged tail
+        let x = rand_vec(&mut r, n);
+        let res = rand_vec(&mut r, n);
+        let dy = rand_vec(&mut r, n);
+        let mut y = vec![0.0; n];
+        relu_forward(&mut y, &x);
+        assert_close("relu", &y, &relu_ref(&to_f64(&x)), 0.0, 0.0);
+        let mut dx = vec![9.0; n];
+        relu_backward(&mut dx, &dy, &y);
+        let want: Vec<f64> = x
+            .iter()
+            .zip(&dy)
+            .map(|(&a, &g)| if a > 0.0 { g as f64 } else { 0.0 })
+            .collect();
+        assert_close("relu dx", &dx, &want, 0.0, 0.0);
+
+        let mut s = x.clone();
+        let mut mask = vec![0xff; n.div_ceil(8)];
+        add_relu_forward(&mut s, &res, &mut mask);
+        let sum: Vec<f64> = x.iter().zip(&res).map(|(&a, &b)| (a + b) as f64).collect();
+        assert_close("add_relu", &s, &relu_ref(&sum), 0.0, 0.0);
+        let mut dx = vec![9.0; n];
+        relu_mask_backward(&mut dx, &dy, &mask);
+        let want: Vec<f64> = sum
+            .iter()
+            .zip(&dy)
+            .map(|(&a, &g)| if a > 0.0 { g as f64 } else { 0.0 })
+            .collect();
+        assert_close("add_relu dx", &dx, &want, 0.0, 0.0);
+    }
+
+    #[test]
+    fn relu_gradient_matches_finite_differences() {
+        // Away from the kink, the derivative is 0 or 1.
+        let x: Vec<f64> = vec![-1.5, -0.2, 0.3, 2.0];
+        let dy = vec![0.7, -1.1, 0.4, 1.3];
+        let fd = finite_diff(&x, 1e-6, |p| dot(&relu_ref(p), &dy));
+        let y: Vec<f32> = relu_ref(&x).iter().map(|&v| v as f32).collect();
+        let mut dx = vec![0.0; 4];
+        relu_backward(
+            &mut dx,
+            &dy.iter().map(|&v| v as f32).collect::<Vec<_>>(),
+            &y,
+        );
+        assert_close("fd relu", &dx, &fd, 1e-6, 1e-6);
+    }
+}
