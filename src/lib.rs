@@ -9,6 +9,7 @@
 pub mod device;
 pub mod error;
 pub mod exec;
+pub mod io;
 pub mod memory;
 pub mod nn;
 pub mod ops;

@@ -69,6 +69,17 @@ pub fn relu_mask_backward(dx: &mut [f32], dy: &[f32], mask: &[u8]) {
         });
 }
 
+/// In place: d = 0 where the mask bit is clear.
+pub fn relu_mask_backward_inplace(d: &mut [f32], mask: &[u8]) {
+    d.par_chunks_mut(CHUNK).zip(mask.par_chunks(CHUNK / 8)).for_each(|(d, mask)| {
+        for (i, v) in d.iter_mut().enumerate() {
+            if mask[i / 8] >> (i % 8) & 1 == 0 {
+                *v = 0.0;
+            }
+        }
+    });
+}
+
 pub fn relu_ref(x: &[f64]) -> Vec<f64> {
     x.iter().map(|&v| if v > 0.0 { v } else { 0.0 }).collect()
 }
@@ -110,6 +121,9 @@ mod tests {
             .map(|(&a, &g)| if a > 0.0 { g as f64 } else { 0.0 })
             .collect();
         assert_close("add_relu dx", &dx, &want, 0.0, 0.0);
+        let mut inplace = dy.clone();
+        relu_mask_backward_inplace(&mut inplace, &mask);
+        assert_close("add_relu dx in place", &inplace, &want, 0.0, 0.0);
     }
 
     #[test]

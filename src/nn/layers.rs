@@ -1,0 +1,224 @@
+//! Parameterised layers used by the stages: they own their weights and
+//! allocate their outputs and workspaces from the pool; the math is in `ops`.
+
+use std::sync::Arc;
+
+use rand::rngs::ChaCha8Rng;
+
+use crate::error::Result;
+use crate::memory::{Category, Pool, Tag};
+use crate::nn::{BnPolicy, Mode, Param, normal, uniform};
+use crate::ops::{batchnorm as bn, conv2d, linear};
+use crate::ops::conv2d::ConvGeom;
+use crate::tensor::Tensor;
+
+/// A convolution without bias. Weight layout (kh, kw, cin, cout).
+pub struct Conv {
+    pub name: Arc<str>,
+    pub weight: Param,
+    pub cin: usize,
+    pub cout: usize,
+    pub k: usize,
+    pub stride: usize,
+    pub pad: usize,
+}
+
+impl Conv {
+    /// Kaiming normal, fan_out, ReLU gain (torchvision's ResNet init).
+    pub fn new(pool: &Pool, rng: &mut ChaCha8Rng, name: &str, cin: usize, cout: usize, k: usize, stride: usize, pad: usize) -> Result<Self> {
+        let std = (2.0 / (cout * k * k) as f32).sqrt();
+        let values = normal(rng, k * k * cin * cout, std);
+        Ok(Conv {
+            name: name.into(),
+            weight: Param::new(pool, &format!("{name}.weight"), &[k, k, cin, cout], &values)?,
+            cin,
+            cout,
+            k,
+            stride,
+            pad,
+        })
+    }
+
+    pub fn geom(&self, n: usize, h: usize, w: usize) -> ConvGeom {
+        ConvGeom { n, h, w, cin: self.cin, cout: self.cout, kh: self.k, kw: self.k, stride: self.stride, pad: self.pad }
+    }
+
+    pub fn forward(&self, pool: &Pool, x: &Tensor, field: &'static str) -> Result<Tensor> {
+        let (n, h, w, _) = x.shape().nhwc();
+        let g = self.geom(n, h, w);
+        g.validate()?;
+        let mut y = pool.empty_f32(&[n, g.oh(), g.ow(), self.cout], Category::Activations, Tag::new(&self.name, field))?;
+        let mut ws = pool.empty_f32(&[g.forward_workspace_len()], Category::Workspace, Tag::new(&self.name, "im2col"))?;
+        conv2d::conv2d_forward(y.f32_mut(), x.f32(), self.weight.value.f32(), &g, ws.f32_mut());
+        Ok(y)
+    }
+
+    /// Accumulates the weight gradient; adds the input gradient into `dx`
+    /// when given.
+    pub fn backward(&mut self, pool: &Pool, dy: &Tensor, x: &Tensor, dx: Option<&mut Tensor>) -> Result<()> {
+        let (n, h, w, _) = x.shape().nhwc();
+        let g = self.geom(n, h, w);
+        let mut ws = pool.empty_f32(&[g.backward_workspace_len()], Category::Workspace, Tag::new(&self.name, "im2col"))?;
+        conv2d::conv2d_backward(
+            dx.map(|t| t.f32_mut()),
+            self.weight.grad.f32_mut(),
+            dy.f32(),
+            x.f32(),
+            self.weight.value.f32(),
+            &g,
+            ws.f32_mut(),
+        );
+        Ok(())
+    }
+
+    /// A zeroed tensor shaped like `x`, for input gradients to accumulate in.
+    pub fn zeros_like(pool: &Pool, x: &Tensor, tag: Tag) -> Result<Tensor> {
+        pool.zeros_f32(x.dims(), Category::Activations, tag)
+    }
+}
+
+/// Statistics a BN forward used, which its backward needs again.
+pub struct BnStats {
+    pub mean: Tensor, // (c)
+    pub rstd: Tensor, // (c)
+    /// The statistics came from the batch (gradient flows through them).
+    pub from_batch: bool,
+}
+
+impl BnStats {
+    pub fn bytes(&self) -> usize {
+        self.mean.bytes() + self.rstd.bytes()
+    }
+}
+
+/// Batch norm 2d (momentum 0.1, eps 1e-5 unless set otherwise).
+pub struct BatchNorm {
+    pub name: Arc<str>,
+    pub weight: Param,
+    pub bias: Param,
+    pub running_mean: Tensor,
+    pub running_var: Tensor,
+    pub num_batches_tracked: i64,
+    pub c: usize,
+    pub eps: f32,
+    pub momentum: f32,
+    pub policy: BnPolicy,
+}
+
+impl BatchNorm {
+    pub fn new(pool: &Pool, name: &str, c: usize, zero_weight: bool) -> Result<Self> {
+        let prefix: Arc<str> = name.into();
+        let gamma = vec![if zero_weight { 0.0 } else { 1.0 }; c];
+        Ok(BatchNorm {
+            weight: Param::new(pool, &format!("{name}.weight"), &[c], &gamma)?,
+            bias: Param::new(pool, &format!("{name}.bias"), &[c], &vec![0.0; c])?,
+            running_mean: pool.zeros_f32(&[c], Category::Params, Tag::new(&prefix, "running_mean"))?,
+            running_var: pool.from_f32(&[c], &vec![1.0; c], Category::Params, Tag::new(&prefix, "running_var"))?,
+            num_batches_tracked: 0,
+            name: prefix,
+            c,
+            eps: 1e-5,
+            momentum: 0.1,
+            policy: BnPolicy::Batch,
+        })
+    }
+
+    /// Bytes of the statistics a training forward keeps.
+    pub fn stats_bytes(&self) -> usize {
+        2 * 4 * self.c
+    }
+
+    /// Normalise `x` (and ReLU when `relu`). In `Mode::Train` with batch
+    /// policy, uses batch statistics and advances the running ones.
+    pub fn forward(&mut self, pool: &Pool, x: &Tensor, relu: bool, mode: Mode, field: &'static str) -> Result<(Tensor, BnStats)> {
+        let c = self.c;
+        let rows = x.numel() / c;
+        let tag = |f| Tag::new(&self.name, f);
+        let mut mean = pool.empty_f32(&[c], Category::Activations, tag("mean"))?;
+        let mut rstd = pool.empty_f32(&[c], Category::Activations, tag("rstd"))?;
+        let from_batch = mode == Mode::Train && self.policy == BnPolicy::Batch;
+        if from_batch {
+            let mut var = pool.empty_f32(&[c], Category::Workspace, tag("var"))?;
+            bn::bn_batch_stats(mean.f32_mut(), var.f32_mut(), x.f32(), c);
+            bn::bn_rstd(rstd.f32_mut(), var.f32(), self.eps);
+            bn::bn_update_running(self.running_mean.f32_mut(), self.running_var.f32_mut(), mean.f32(), var.f32(), rows, self.momentum);
+            self.num_batches_tracked += 1;
+        } else {
+            mean.f32_mut().copy_from_slice(self.running_mean.f32());
+            bn::bn_rstd(rstd.f32_mut(), self.running_var.f32(), self.eps);
+        }
+        let mut y = pool.empty_f32(x.dims(), Category::Activations, tag(field))?;
+        bn::bn_forward(y.f32_mut(), x.f32(), mean.f32(), rstd.f32(), self.weight.value.f32(), self.bias.value.f32(), c, relu);
+        Ok((y, BnStats { mean, rstd, from_batch }))
+    }
+
+    /// Returns dx; accumulates the affine gradients unless frozen.
+    pub fn backward(&mut self, pool: &Pool, dy: &Tensor, x: &Tensor, stats: &BnStats, relu_out: Option<&Tensor>) -> Result<Tensor> {
+        let mut dx = pool.empty_f32(x.dims(), Category::Activations, Tag::new(&self.name, "dx"))?;
+        let frozen = self.policy == BnPolicy::Frozen;
+        bn::bn_backward(
+            dx.f32_mut(),
+            (!frozen).then(|| self.weight.grad.f32_mut()),
+            (!frozen).then(|| self.bias.grad.f32_mut()),
+            dy.f32(),
+            x.f32(),
+            stats.mean.f32(),
+            stats.rstd.f32(),
+            self.weight.value.f32(),
+            relu_out.map(|t| t.f32()),
+            self.c,
+            stats.from_batch,
+        );
+        Ok(dx)
+    }
+}
+
+/// Fully connected layer, PyTorch layout: weight (out, in), bias (out).
+pub struct Linear {
+    pub name: Arc<str>,
+    pub weight: Param,
+    pub bias: Param,
+    pub fin: usize,
+    pub fout: usize,
+}
+
+impl Linear {
+    /// PyTorch's default nn.Linear init: weight and bias uniform in
+    /// ±1/sqrt(fan_in).
+    pub fn new(pool: &Pool, rng: &mut ChaCha8Rng, name: &str, fin: usize, fout: usize) -> Result<Self> {
+        let bound = 1.0 / (fin as f32).sqrt();
+        let w = uniform(rng, fout * fin, bound);
+        let b = uniform(rng, fout, bound);
+        Ok(Linear {
+            name: name.into(),
+            weight: Param::new(pool, &format!("{name}.weight"), &[fout, fin], &w)?,
+            bias: Param::new(pool, &format!("{name}.bias"), &[fout], &b)?,
+            fin,
+            fout,
+        })
+    }
+
+    pub fn forward(&self, pool: &Pool, x: &Tensor) -> Result<Tensor> {
+        let n = x.dims()[0];
+        let mut y = pool.empty_f32(&[n, self.fout], Category::Activations, Tag::new(&self.name, "y"))?;
+        linear::linear_forward(y.f32_mut(), x.f32(), self.weight.value.f32(), self.bias.value.f32(), n, self.fin, self.fout);
+        Ok(y)
+    }
+
+    pub fn backward(&mut self, pool: &Pool, dy: &Tensor, x: &Tensor) -> Result<Tensor> {
+        let n = x.dims()[0];
+        let mut dx = pool.empty_f32(x.dims(), Category::Activations, Tag::new(&self.name, "dx"))?;
+        linear::linear_backward(
+            Some(dx.f32_mut()),
+            self.weight.grad.f32_mut(),
+            self.bias.grad.f32_mut(),
+            dy.f32(),
+            x.f32(),
+            self.weight.value.f32(),
+            n,
+            self.fin,
+            self.fout,
+        );
+        Ok(dx)
+    }
+}

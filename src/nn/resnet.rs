@@ -1,0 +1,353 @@
+//! ResNet-18/34/50/101/152 as a chain of stages, with torchvision's names,
+//! layout and initialisation.
+
+use rand::{SeedableRng, rngs::ChaCha8Rng};
+
+use crate::error::{Error, Result};
+use crate::memory::Pool;
+use crate::nn::{BasicBlock, BasicSaved, BnPolicy, Bottleneck, BottleneckSaved, Head, HeadSaved, Mode, Param, Stem, StemSaved};
+use crate::tensor::Tensor;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockKind {
+    Basic,
+    Bottleneck,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ResNetConfig {
+    pub block: BlockKind,
+    /// Blocks per layer (layer1..layer4).
+    pub layers: [usize; 4],
+    /// Channels of the stem and of layer1's `planes` (64 in torchvision).
+    pub base_width: usize,
+    pub num_classes: usize,
+    /// Start the last BN of every block at weight 0 (each block begins as
+    /// the identity), torchvision's `zero_init_residual`.
+    pub zero_init_residual: bool,
+    pub seed: u64,
+}
+
+impl ResNetConfig {
+    fn new(block: BlockKind, layers: [usize; 4]) -> Self {
+        ResNetConfig { block, layers, base_width: 64, num_classes: 1000, zero_init_residual: false, seed: 0 }
+    }
+    pub fn resnet18() -> Self {
+        Self::new(BlockKind::Basic, [2, 2, 2, 2])
+    }
+    pub fn resnet34() -> Self {
+        Self::new(BlockKind::Basic, [3, 4, 6, 3])
+    }
+    pub fn resnet50() -> Self {
+        Self::new(BlockKind::Bottleneck, [3, 4, 6, 3])
+    }
+    pub fn resnet101() -> Self {
+        Self::new(BlockKind::Bottleneck, [3, 4, 23, 3])
+    }
+    pub fn resnet152() -> Self {
+        Self::new(BlockKind::Bottleneck, [3, 8, 36, 3])
+    }
+
+    /// `resnet18` ... `resnet152`.
+    pub fn by_name(name: &str) -> Result<Self> {
+        match name {
+            "resnet18" => Ok(Self::resnet18()),
+            "resnet34" => Ok(Self::resnet34()),
+            "resnet50" => Ok(Self::resnet50()),
+            "resnet101" => Ok(Self::resnet101()),
+            "resnet152" => Ok(Self::resnet152()),
+            _ => Err(Error::invalid(
+                "model",
+                format!("unknown model '{name}' (choose resnet18, resnet34, resnet50, resnet101 or resnet152)"),
+            )),
+        }
+    }
+
+    pub fn expansion(&self) -> usize {
+        match self.block {
+            BlockKind::Basic => BasicBlock::EXPANSION,
+            BlockKind::Bottleneck => Bottleneck::EXPANSION,
+        }
+    }
+}
+
+/// One link of the chain.
+pub enum Stage {
+    Stem(Stem),
+    Basic(BasicBlock),
+    Bottleneck(Bottleneck),
+    Head(Head),
+}
+
+/// What a stage's backward needs, by stage kind.
+pub enum Saved {
+    Stem(StemSaved),
+    Basic(BasicSaved),
+    Bottleneck(BottleneckSaved),
+    Head(HeadSaved),
+}
+
+impl Saved {
+    pub fn bytes(&self) -> usize {
+        match self {
+            Saved::Stem(s) => s.bytes(),
+            Saved::Basic(s) => s.bytes(),
+            Saved::Bottleneck(s) => s.bytes(),
+            Saved::Head(s) => s.bytes(),
+        }
+    }
+}
+
+impl Stage {
+    /// torchvision name: `stem`, `layer2.0`, `head`.
+    pub fn name(&self) -> String {
+        match self {
+            Stage::Stem(_) => "stem".into(),
+            Stage::Basic(b) => b.name.to_string(),
+            Stage::Bottleneck(b) => b.name.to_string(),
+            Stage::Head(_) => "head".into(),
+        }
+    }
+
+    /// Output (h, w, c) for an (h, w) input; the head gives (1, 1, classes).
+    pub fn out_hwc(&self, h: usize, w: usize) -> (usize, usize, usize) {
+        match self {
+            Stage::Stem(s) => s.out_hwc(h, w),
+            Stage::Basic(b) => b.out_hwc(h, w),
+            Stage::Bottleneck(b) => b.out_hwc(h, w),
+            Stage::Head(hd) => (1, 1, hd.fc.fout),
+        }
+    }
+
+    pub fn forward(&mut self, pool: &Pool, x: Tensor, mode: Mode) -> Result<(Tensor, Option<Saved>)> {
+        Ok(match self {
+            Stage::Stem(s) => {
+                let (y, saved) = s.forward(pool, x, mode)?;
+                (y, saved.map(Saved::Stem))
+            }
+            Stage::Basic(b) => {
+                let (y, saved) = b.forward(pool, x, mode)?;
+                (y, saved.map(Saved::Basic))
+            }
+            Stage::Bottleneck(b) => {
+                let (y, saved) = b.forward(pool, x, mode)?;
+                (y, saved.map(Saved::Bottleneck))
+            }
+            Stage::Head(hd) => {
+                let (y, saved) = hd.forward(pool, x, mode)?;
+                (y, saved.map(Saved::Head))
+            }
+        })
+    }
+
+    /// Consumes `saved`; returns the input gradient (none for the stem,
+    /// whose input is the images).
+    pub fn backward(&mut self, pool: &Pool, saved: Saved, d_out: Tensor) -> Result<Option<Tensor>> {
+        match (self, saved) {
+            (Stage::Stem(s), Saved::Stem(sv)) => s.backward(pool, sv, d_out).map(|()| None),
+            (Stage::Basic(b), Saved::Basic(sv)) => b.backward(pool, sv, d_out).map(Some),
+            (Stage::Bottleneck(b), Saved::Bottleneck(sv)) => b.backward(pool, sv, d_out).map(Some),
+            (Stage::Head(hd), Saved::Head(sv)) => hd.backward(pool, sv, d_out).map(Some),
+            (stage, _) => Err(Error::invalid("backward", format!("saved state does not belong to stage {}", stage.name()))),
+        }
+    }
+
+    /// Exact bytes a training forward of a batch of n (h, w) inputs keeps.
+    pub fn saved_bytes(&self, n: usize, h: usize, w: usize) -> usize {
+        match self {
+            Stage::Stem(s) => s.saved_bytes(n, h, w),
+            Stage::Basic(b) => b.saved_bytes(n, h, w),
+            Stage::Bottleneck(b) => b.saved_bytes(n, h, w),
+            Stage::Head(hd) => hd.saved_bytes(n),
+        }
+    }
+
+    fn visit(&mut self, v: &mut dyn FnMut(StateSlot<'_>)) {
+        use crate::nn::{BatchNorm, Conv};
+        fn conv(c: &mut Conv, v: &mut dyn FnMut(StateSlot<'_>)) {
+            v(StateSlot::Param { param: &mut c.weight, torch_shape: vec![c.cout, c.cin, c.k, c.k], layout: WeightLayout::Hwio });
+        }
+        fn bn(b: &mut BatchNorm, v: &mut dyn FnMut(StateSlot<'_>)) {
+            let c = b.c;
+            v(StateSlot::Param { param: &mut b.weight, torch_shape: vec![c], layout: WeightLayout::Plain });
+            v(StateSlot::Param { param: &mut b.bias, torch_shape: vec![c], layout: WeightLayout::Plain });
+            v(StateSlot::Buffer { name: format!("{}.running_mean", b.name), data: b.running_mean.f32_mut() });
+            v(StateSlot::Buffer { name: format!("{}.running_var", b.name), data: b.running_var.f32_mut() });
+            v(StateSlot::Count { name: format!("{}.num_batches_tracked", b.name), value: &mut b.num_batches_tracked });
+        }
+        match self {
+            Stage::Stem(s) => {
+                conv(&mut s.conv1, v);
+                bn(&mut s.bn1, v);
+            }
+            Stage::Basic(b) => {
+                conv(&mut b.conv1, v);
+                bn(&mut b.bn1, v);
+                conv(&mut b.conv2, v);
+                bn(&mut b.bn2, v);
+                if let Some(d) = b.downsample.as_mut() {
+                    conv(&mut d.conv, v);
+                    bn(&mut d.bn, v);
+                }
+            }
+            Stage::Bottleneck(b) => {
+                conv(&mut b.conv1, v);
+                bn(&mut b.bn1, v);
+                conv(&mut b.conv2, v);
+                bn(&mut b.bn2, v);
+                conv(&mut b.conv3, v);
+                bn(&mut b.bn3, v);
+                if let Some(d) = b.downsample.as_mut() {
+                    conv(&mut d.conv, v);
+                    bn(&mut d.bn, v);
+                }
+            }
+            Stage::Head(hd) => {
+                let (o, i) = (hd.fc.fout, hd.fc.fin);
+                v(StateSlot::Param { param: &mut hd.fc.weight, torch_shape: vec![o, i], layout: WeightLayout::Plain });
+                v(StateSlot::Param { param: &mut hd.fc.bias, torch_shape: vec![o], layout: WeightLayout::Plain });
+            }
+        }
+    }
+}
+
+/// How a parameter's storage relates to the torchvision tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightLayout {
+    /// Same element order as PyTorch.
+    Plain,
+    /// Conv weight stored (kh, kw, cin, cout); PyTorch's is OIHW.
+    Hwio,
+}
+
+/// One entry of the torchvision state_dict, borrowed from the model.
+pub enum StateSlot<'a> {
+    Param { param: &'a mut Param, torch_shape: Vec<usize>, layout: WeightLayout },
+    Buffer { name: String, data: &'a mut [f32] },
+    Count { name: String, value: &'a mut i64 },
+}
+
+impl StateSlot<'_> {
+    pub fn name(&self) -> &str {
+        match self {
+            StateSlot::Param { param, .. } => &param.name,
+            StateSlot::Buffer { name, .. } | StateSlot::Count { name, .. } => name,
+        }
+    }
+}
+
+/// The network: a chain of stages.
+pub struct ResNet {
+    pub config: ResNetConfig,
+    pub stages: Vec<Stage>,
+}
+
+impl ResNet {
+    /// Builds the network with torchvision's initialisation from `config.seed`.
+    pub fn new(pool: &Pool, config: ResNetConfig) -> Result<Self> {
+        if config.base_width == 0 || config.num_classes == 0 || config.layers.contains(&0) {
+            return Err(Error::invalid("ResNet", format!("degenerate configuration {config:?}")));
+        }
+        let mut rng = ChaCha8Rng::seed_from_u64(config.seed);
+        let mut stages = vec![Stage::Stem(Stem::new(pool, &mut rng, config.base_width)?)];
+        let mut cin = config.base_width;
+        for (li, &blocks) in config.layers.iter().enumerate() {
+            let planes = config.base_width << li;
+            for bi in 0..blocks {
+                let stride = if li > 0 && bi == 0 { 2 } else { 1 };
+                let name = format!("layer{}.{bi}", li + 1);
+                let z = config.zero_init_residual;
+                stages.push(match config.block {
+                    BlockKind::Basic => Stage::Basic(BasicBlock::new(pool, &mut rng, &name, cin, planes, stride, z)?),
+                    BlockKind::Bottleneck => Stage::Bottleneck(Bottleneck::new(pool, &mut rng, &name, cin, planes, stride, z)?),
+                });
+                cin = planes * config.expansion();
+            }
+        }
+        stages.push(Stage::Head(Head::new(pool, &mut rng, cin, config.num_classes)?));
+        Ok(ResNet { config, stages })
+    }
+
+    /// Visit every state_dict entry in torchvision order.
+    pub fn visit_state(&mut self, mut v: impl FnMut(StateSlot<'_>)) {
+        for s in &mut self.stages {
+            s.visit(&mut v);
+        }
+    }
+
+    /// Visit every trainable parameter.
+    pub fn visit_params(&mut self, mut f: impl FnMut(&mut Param)) {
+        self.visit_state(|slot| {
+            if let StateSlot::Param { param, .. } = slot {
+                f(param)
+            }
+        });
+    }
+
+    pub fn zero_grad(&mut self) {
+        self.visit_params(|p| p.grad.fill_zero());
+    }
+
+    pub fn param_count(&mut self) -> usize {
+        let mut n = 0;
+        self.visit_params(|p| n += p.value.numel());
+        n
+    }
+
+    pub fn set_bn_policy(&mut self, policy: BnPolicy) {
+        fn set(b: &mut crate::nn::BatchNorm, p: BnPolicy) {
+            b.policy = p;
+        }
+        for s in &mut self.stages {
+            match s {
+                Stage::Stem(st) => set(&mut st.bn1, policy),
+                Stage::Basic(b) => {
+                    set(&mut b.bn1, policy);
+                    set(&mut b.bn2, policy);
+                    if let Some(d) = b.downsample.as_mut() {
+                        set(&mut d.bn, policy);
+                    }
+                }
+                Stage::Bottleneck(b) => {
+                    set(&mut b.bn1, policy);
+                    set(&mut b.bn2, policy);
+                    set(&mut b.bn3, policy);
+                    if let Some(d) = b.downsample.as_mut() {
+                        set(&mut d.bn, policy);
+                    }
+                }
+                Stage::Head(_) => {}
+            }
+        }
+    }
+
+    /// Input (h, w) of every stage for an (h, w) image, and the final shape.
+    pub fn stage_inputs(&self, h: usize, w: usize) -> Vec<(usize, usize, usize)> {
+        let mut dims = Vec::with_capacity(self.stages.len() + 1);
+        let mut cur = (h, w, 3);
+        for s in &self.stages {
+            dims.push(cur);
+            let (oh, ow, oc) = s.out_hwc(cur.0, cur.1);
+            cur = (oh, ow, oc);
+        }
+        dims.push(cur);
+        dims
+    }
+
+    /// Saved bytes of every stage for a batch of n (h, w) images.
+    pub fn saved_bytes_per_stage(&self, n: usize, h: usize, w: usize) -> Vec<usize> {
+        let ins = self.stage_inputs(h, w);
+        self.stages.iter().zip(&ins).map(|(s, &(sh, sw, _))| s.saved_bytes(n, sh, sw)).collect()
+    }
+
+    /// Checks an image size is big enough for the network.
+    pub fn check_image_size(&self, h: usize, w: usize) -> Result<()> {
+        // The stem's conv and pool need at least one output pixel each.
+        let min = 1;
+        let (sh, sw, _) = self.stage_inputs(h, w)[1];
+        if h < 2 || w < 2 || sh < min || sw < min {
+            return Err(Error::invalid("image size", format!("{h}x{w} is too small for this network")));
+        }
+        Ok(())
+    }
+}
