@@ -6,6 +6,7 @@
 //! [`nn`] (stages of the ResNet chain), [`exec`] (runs the chain under a
 //! plan), [`optim`].
 
+pub mod data;
 pub mod device;
 pub mod error;
 pub mod exec;
@@ -15,5 +16,6 @@ pub mod nn;
 pub mod ops;
 pub mod optim;
 pub mod tensor;
+pub mod train;
 
 pub use error::{Error, Result};

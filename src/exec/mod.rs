@@ -25,7 +25,9 @@ pub struct Plan {
 
 impl Plan {
     pub fn keep_all(model: &ResNet) -> Self {
-        Plan { stages: vec![StagePlan::Keep; model.stages.len()] }
+        Plan {
+            stages: vec![StagePlan::Keep; model.stages.len()],
+        }
     }
 }
 
@@ -48,7 +50,11 @@ pub struct LossOptions {
 pub fn argmax_rows(logits: &[f32], classes: usize) -> Vec<usize> {
     logits
         .chunks_exact(classes)
-        .map(|row| row.iter().enumerate().fold(0, |best, (i, &v)| if v > row[best] { i } else { best }))
+        .map(|row| {
+            row.iter()
+                .enumerate()
+                .fold(0, |best, (i, &v)| if v > row[best] { i } else { best })
+        })
         .collect()
 }
 
@@ -63,11 +69,22 @@ pub fn forward_backward(
     loss_opts: LossOptions,
 ) -> Result<StepOutput> {
     if plan.stages.len() != model.stages.len() {
-        return Err(Error::invalid("exec", format!("plan has {} stages, model {}", plan.stages.len(), model.stages.len())));
+        return Err(Error::invalid(
+            "exec",
+            format!(
+                "plan has {} stages, model {}",
+                plan.stages.len(),
+                model.stages.len()
+            ),
+        ));
     }
     let n = images.dims()[0];
     if labels.len() != n {
-        return Err(Error::ShapeMismatch { op: "exec", expected: format!("{n} labels"), got: labels.len().to_string() });
+        return Err(Error::ShapeMismatch {
+            op: "exec",
+            expected: format!("{n} labels"),
+            got: labels.len().to_string(),
+        });
     }
     let mut saved: Vec<Saved> = Vec::with_capacity(model.stages.len());
     let mut x = images;
@@ -75,21 +92,39 @@ pub fn forward_backward(
         match step {
             StagePlan::Keep => {
                 let (y, s) = stage.forward(pool, x, Mode::Train)?;
-                saved.push(s.ok_or_else(|| Error::invalid("exec", "training forward returned no saved state"))?);
+                saved.push(s.ok_or_else(|| {
+                    Error::invalid("exec", "training forward returned no saved state")
+                })?);
                 x = y;
             }
         }
     }
     let logits = x;
     let classes = model.config.num_classes;
-    let mut d_logits = pool.empty_f32(logits.dims(), Category::Activations, Tag::fixed("loss.d_logits"))?;
-    let loss = cross_entropy_forward_backward(d_logits.f32_mut(), logits.f32(), labels, classes, loss_opts.label_smoothing)?;
-    let correct = argmax_rows(logits.f32(), classes).iter().zip(labels).filter(|(p, l)| p == l).count();
+    let mut d_logits = pool.empty_f32(
+        logits.dims(),
+        Category::Activations,
+        Tag::fixed("loss.d_logits"),
+    )?;
+    let loss = cross_entropy_forward_backward(
+        d_logits.f32_mut(),
+        logits.f32(),
+        labels,
+        classes,
+        loss_opts.label_smoothing,
+    )?;
+    let correct = argmax_rows(logits.f32(), classes)
+        .iter()
+        .zip(labels)
+        .filter(|(p, l)| p == l)
+        .count();
     drop(logits);
 
     let mut d = d_logits;
     for stage in model.stages.iter_mut().rev() {
-        let s = saved.pop().ok_or_else(|| Error::invalid("exec", "saved state missing"))?;
+        let s = saved
+            .pop()
+            .ok_or_else(|| Error::invalid("exec", "saved state missing"))?;
         match stage.backward(pool, s, d)? {
             Some(g) => d = g,
             None => break,

@@ -34,34 +34,70 @@ pub struct TensorFile {
 impl TensorFile {
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path_s = path.as_ref().display().to_string();
-        let bytes = std::fs::read(path.as_ref()).map_err(|e| Error::Io { path: path_s.clone(), reason: e.to_string() })?;
+        let bytes = std::fs::read(path.as_ref()).map_err(|e| Error::Io {
+            path: path_s.clone(),
+            reason: e.to_string(),
+        })?;
         Self::parse(&path_s, &bytes)
     }
 
     pub fn parse(path: &str, bytes: &[u8]) -> Result<Self> {
-        let bad = |reason: String| Error::BadWeights { path: path.to_string(), reason };
-        let st = SafeTensors::deserialize(bytes).map_err(|e| bad(format!("not a valid safetensors file: {e}")))?;
-        let (_, meta) = SafeTensors::read_metadata(bytes).map_err(|e| bad(format!("bad header: {e}")))?;
-        let metadata = meta.metadata().clone().unwrap_or_default().into_iter().collect();
+        let bad = |reason: String| Error::BadWeights {
+            path: path.to_string(),
+            reason,
+        };
+        let st = SafeTensors::deserialize(bytes)
+            .map_err(|e| bad(format!("not a valid safetensors file: {e}")))?;
+        let (_, meta) =
+            SafeTensors::read_metadata(bytes).map_err(|e| bad(format!("bad header: {e}")))?;
+        let metadata = meta
+            .metadata()
+            .clone()
+            .unwrap_or_default()
+            .into_iter()
+            .collect();
         let mut tensors = BTreeMap::new();
         for (name, view) in st.tensors() {
             let raw = view.data();
             let data = match view.dtype() {
-                Dtype::F32 => RawData::F32(raw.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()),
-                Dtype::I64 => RawData::I64(
-                    raw.chunks_exact(8).map(|b| i64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]])).collect(),
+                Dtype::F32 => RawData::F32(
+                    raw.chunks_exact(4)
+                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                        .collect(),
                 ),
-                other => return Err(bad(format!("tensor '{name}' has dtype {other:?}; only F32 and I64 are supported"))),
+                Dtype::I64 => RawData::I64(
+                    raw.chunks_exact(8)
+                        .map(|b| {
+                            i64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]])
+                        })
+                        .collect(),
+                ),
+                other => {
+                    return Err(bad(format!(
+                        "tensor '{name}' has dtype {other:?}; only F32 and I64 are supported"
+                    )));
+                }
             };
-            tensors.insert(name.to_string(), RawTensor { shape: view.shape().to_vec(), data });
+            tensors.insert(
+                name.to_string(),
+                RawTensor {
+                    shape: view.shape().to_vec(),
+                    data,
+                },
+            );
         }
-        Ok(TensorFile { path: path.to_string(), tensors, metadata })
+        Ok(TensorFile {
+            path: path.to_string(),
+            tensors,
+            metadata,
+        })
     }
 
     fn get(&self, name: &str) -> Result<&RawTensor> {
-        self.tensors
-            .get(name)
-            .ok_or_else(|| Error::BadWeights { path: self.path.clone(), reason: format!("tensor '{name}' is missing") })
+        self.tensors.get(name).ok_or_else(|| Error::BadWeights {
+            path: self.path.clone(),
+            reason: format!("tensor '{name}' is missing"),
+        })
     }
 
     /// An f32 tensor's shape and values.
@@ -69,7 +105,10 @@ impl TensorFile {
         let t = self.get(name)?;
         match &t.data {
             RawData::F32(v) => Ok((&t.shape, v)),
-            RawData::I64(_) => Err(Error::BadWeights { path: self.path.clone(), reason: format!("tensor '{name}' is I64, expected F32") }),
+            RawData::I64(_) => Err(Error::BadWeights {
+                path: self.path.clone(),
+                reason: format!("tensor '{name}' is I64, expected F32"),
+            }),
         }
     }
 
@@ -77,7 +116,10 @@ impl TensorFile {
         let t = self.get(name)?;
         match &t.data {
             RawData::I64(v) => Ok((&t.shape, v)),
-            RawData::F32(_) => Err(Error::BadWeights { path: self.path.clone(), reason: format!("tensor '{name}' is F32, expected I64") }),
+            RawData::F32(_) => Err(Error::BadWeights {
+                path: self.path.clone(),
+                reason: format!("tensor '{name}' is F32, expected I64"),
+            }),
         }
     }
 }
@@ -116,7 +158,11 @@ pub fn nhwc_to_nchw(x: &[f32], n: usize, h: usize, w: usize, c: usize) -> Vec<f3
 /// dtypes are checked; every missing, unexpected or mis-shaped entry is
 /// listed in one error. Keys starting with one of `ignore_prefixes` are
 /// skipped (a file may carry other tensors).
-pub fn load_state_dict(model: &mut ResNet, file: &TensorFile, ignore_prefixes: &[&str]) -> Result<()> {
+pub fn load_state_dict(
+    model: &mut ResNet,
+    file: &TensorFile,
+    ignore_prefixes: &[&str],
+) -> Result<()> {
     let mut problems = Vec::new();
     let mut seen = BTreeSet::new();
     model.visit_state(|slot| {
@@ -127,20 +173,40 @@ pub fn load_state_dict(model: &mut ResNet, file: &TensorFile, ignore_prefixes: &
             return;
         };
         match (slot, &t.data) {
-            (StateSlot::Param { param, torch_shape, layout }, RawData::F32(v)) => {
+            (
+                StateSlot::Param {
+                    param,
+                    torch_shape,
+                    layout,
+                },
+                RawData::F32(v),
+            ) => {
                 if t.shape != torch_shape {
-                    problems.push(format!("'{name}' has shape {:?}, expected {torch_shape:?}", t.shape));
+                    problems.push(format!(
+                        "'{name}' has shape {:?}, expected {torch_shape:?}",
+                        t.shape
+                    ));
                     return;
                 }
                 let values = match layout {
                     WeightLayout::Plain => v.clone(),
-                    WeightLayout::Hwio => oihw_to_hwio(v, torch_shape[0], torch_shape[1], torch_shape[2], torch_shape[3]),
+                    WeightLayout::Hwio => oihw_to_hwio(
+                        v,
+                        torch_shape[0],
+                        torch_shape[1],
+                        torch_shape[2],
+                        torch_shape[3],
+                    ),
                 };
                 param.value.f32_mut().copy_from_slice(&values);
             }
             (StateSlot::Buffer { data, .. }, RawData::F32(v)) => {
                 if t.shape != [data.len()] {
-                    problems.push(format!("'{name}' has shape {:?}, expected [{}]", t.shape, data.len()));
+                    problems.push(format!(
+                        "'{name}' has shape {:?}, expected [{}]",
+                        t.shape,
+                        data.len()
+                    ));
                     return;
                 }
                 data.copy_from_slice(v);
@@ -153,7 +219,9 @@ pub fn load_state_dict(model: &mut ResNet, file: &TensorFile, ignore_prefixes: &
                 }
                 *value = v[0];
             }
-            (StateSlot::Count { .. }, RawData::F32(_)) => problems.push(format!("'{name}' is F32, expected I64")),
+            (StateSlot::Count { .. }, RawData::F32(_)) => {
+                problems.push(format!("'{name}' is F32, expected I64"))
+            }
             (_, RawData::I64(_)) => problems.push(format!("'{name}' is I64, expected F32")),
         }
     });
@@ -167,7 +235,11 @@ pub fn load_state_dict(model: &mut ResNet, file: &TensorFile, ignore_prefixes: &
     } else {
         Err(Error::BadWeights {
             path: file.path.clone(),
-            reason: format!("does not match the model ({} problems):\n  {}", problems.len(), problems.join("\n  ")),
+            reason: format!(
+                "does not match the model ({} problems):\n  {}",
+                problems.len(),
+                problems.join("\n  ")
+            ),
         })
     }
 }

@@ -518,3 +518,80 @@ impl Lease {
         self.pool.release(self.id, storage);
     }
 }
+
+/// Parses a byte size: `4GiB`, `512MB`, `1.5G`, `1048576`. Binary units
+/// (KiB, MiB, GiB, TiB; K, M, G, T alone are binary too) and decimal ones
+/// (KB, MB, GB, TB).
+pub fn parse_bytes(s: &str) -> Result<usize> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let bad = || {
+        Error::invalid(
+            "size",
+            format!("'{s}' is not a size (examples: 4GiB, 512MB, 1048576)"),
+        )
+    };
+    let value: f64 = num.parse().map_err(|_| bad())?;
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kib" => 1024.0,
+        "m" | "mib" => 1024.0 * 1024.0,
+        "g" | "gib" => 1024.0 * 1024.0 * 1024.0,
+        "t" | "tib" => 1024f64.powi(4),
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        _ => return Err(bad()),
+    };
+    let bytes = value * mult;
+    if !bytes.is_finite() || bytes < 1.0 || bytes > usize::MAX as f64 {
+        return Err(bad());
+    }
+    Ok(bytes as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_sizes_and_rejects_nonsense() {
+        assert_eq!(parse_bytes("4GiB").unwrap(), 4 << 30);
+        assert_eq!(parse_bytes("512MB").unwrap(), 512_000_000);
+        assert_eq!(parse_bytes("1.5G").unwrap(), 3 << 29);
+        assert_eq!(parse_bytes(" 1048576 ").unwrap(), 1 << 20);
+        for bad in ["", "GiB", "-4GiB", "4 parsecs", "0", "1..2G", "nan"] {
+            assert!(parse_bytes(bad).is_err(), "{bad:?} accepted");
+        }
+    }
+
+    #[test]
+    fn freed_storage_is_reused_and_cache_respects_budget() {
+        let pool = Pool::with_budget(4096);
+        let a = pool
+            .zeros_f32(&[512], Category::Activations, Tag::fixed("a"))
+            .unwrap();
+        drop(a);
+        assert_eq!(pool.stats().reserved, 2048);
+        let b = pool
+            .empty_f32(&[512], Category::Activations, Tag::fixed("b"))
+            .unwrap();
+        assert_eq!(
+            pool.stats().system_allocs,
+            1,
+            "same-size request reuses the freed block"
+        );
+        drop(b);
+        // A different size would push reserved over the budget: the cache is dropped.
+        let _c = pool
+            .zeros_f32(&[1024], Category::Activations, Tag::fixed("c"))
+            .unwrap();
+        let s = pool.stats();
+        assert_eq!(s.system_allocs, 2);
+        assert_eq!(s.reserved, 4096);
+    }
+}

@@ -24,20 +24,48 @@ struct DownsampleSaved {
 }
 
 impl Downsample {
-    fn new(pool: &Pool, rng: &mut ChaCha8Rng, name: &str, cin: usize, cout: usize, stride: usize) -> Result<Self> {
+    fn new(
+        pool: &Pool,
+        rng: &mut ChaCha8Rng,
+        name: &str,
+        cin: usize,
+        cout: usize,
+        stride: usize,
+    ) -> Result<Self> {
         Ok(Downsample {
-            conv: Conv::new(pool, rng, &format!("{name}.downsample.0"), cin, cout, 1, stride, 0)?,
+            conv: Conv::new(
+                pool,
+                rng,
+                &format!("{name}.downsample.0"),
+                cin,
+                cout,
+                1,
+                stride,
+                0,
+            )?,
             bn: BatchNorm::new(pool, &format!("{name}.downsample.1"), cout, false)?,
         })
     }
 
-    fn forward(&mut self, pool: &Pool, x: &Tensor, mode: Mode) -> Result<(Tensor, DownsampleSaved)> {
+    fn forward(
+        &mut self,
+        pool: &Pool,
+        x: &Tensor,
+        mode: Mode,
+    ) -> Result<(Tensor, DownsampleSaved)> {
         let y = self.conv.forward(pool, x, "y")?;
         let (out, bn) = self.bn.forward(pool, &y, false, mode, "out")?;
         Ok((out, DownsampleSaved { y, bn }))
     }
 
-    fn backward(&mut self, pool: &Pool, s: DownsampleSaved, d_out: &Tensor, x: &Tensor, dx: &mut Tensor) -> Result<()> {
+    fn backward(
+        &mut self,
+        pool: &Pool,
+        s: DownsampleSaved,
+        d_out: &Tensor,
+        x: &Tensor,
+        dx: &mut Tensor,
+    ) -> Result<()> {
         let d_y = self.bn.backward(pool, d_out, &s.y, &s.bn, None)?;
         drop(s);
         self.conv.backward(pool, &d_y, x, Some(dx))
@@ -46,8 +74,18 @@ impl Downsample {
 
 /// Adds the block output `z` to its residual and applies the final ReLU in
 /// place, returning the mask (one bit per element) the backward needs.
-fn join_residual(pool: &Pool, name: &Arc<str>, z: &mut Tensor, residual: &Tensor) -> Result<Tensor> {
-    let mut mask = pool.empty(&[z.numel()], DType::Bits, Category::Activations, Tag::new(name, "relu_mask"))?;
+fn join_residual(
+    pool: &Pool,
+    name: &Arc<str>,
+    z: &mut Tensor,
+    residual: &Tensor,
+) -> Result<Tensor> {
+    let mut mask = pool.empty(
+        &[z.numel()],
+        DType::Bits,
+        Category::Activations,
+        Tag::new(name, "relu_mask"),
+    )?;
     relu::add_relu_forward(z.f32_mut(), residual.f32(), mask.bits_mut());
     Ok(mask)
 }
@@ -64,11 +102,11 @@ pub struct BasicBlock {
 
 /// What `BasicBlock::backward` needs.
 pub struct BasicSaved {
-    x: Tensor,   // (n, h, w, cin)      block input and residual
-    y1: Tensor,  // (n, h', w', c)      conv1 out
+    x: Tensor,  // (n, h, w, cin)      block input and residual
+    y1: Tensor, // (n, h', w', c)      conv1 out
     bn1: BnStats,
-    a1: Tensor,  // (n, h', w', c)      relu(bn1(y1)), conv2 input
-    y2: Tensor,  // (n, h', w', c)      conv2 out
+    a1: Tensor, // (n, h', w', c)      relu(bn1(y1)), conv2 input
+    y2: Tensor, // (n, h', w', c)      conv2 out
     bn2: BnStats,
     down: Option<DownsampleSaved>,
     mask: Tensor, // (n, h', w', c) bits: final ReLU passed
@@ -76,7 +114,10 @@ pub struct BasicSaved {
 
 impl BasicSaved {
     pub fn bytes(&self) -> usize {
-        [&self.x, &self.y1, &self.a1, &self.y2, &self.mask].iter().map(|t| t.bytes()).sum::<usize>()
+        [&self.x, &self.y1, &self.a1, &self.y2, &self.mask]
+            .iter()
+            .map(|t| t.bytes())
+            .sum::<usize>()
             + self.bn1.bytes()
             + self.bn2.bytes()
             + self.down.as_ref().map_or(0, |d| d.y.bytes() + d.bn.bytes())
@@ -86,7 +127,15 @@ impl BasicSaved {
 impl BasicBlock {
     pub const EXPANSION: usize = 1;
 
-    pub fn new(pool: &Pool, rng: &mut ChaCha8Rng, name: &str, cin: usize, planes: usize, stride: usize, zero_init_last_bn: bool) -> Result<Self> {
+    pub fn new(
+        pool: &Pool,
+        rng: &mut ChaCha8Rng,
+        name: &str,
+        cin: usize,
+        planes: usize,
+        stride: usize,
+        zero_init_last_bn: bool,
+    ) -> Result<Self> {
         let downsample = if stride != 1 || cin != planes {
             Some(Downsample::new(pool, rng, name, cin, planes, stride)?)
         } else {
@@ -94,7 +143,16 @@ impl BasicBlock {
         };
         Ok(BasicBlock {
             name: name.into(),
-            conv1: Conv::new(pool, rng, &format!("{name}.conv1"), cin, planes, 3, stride, 1)?,
+            conv1: Conv::new(
+                pool,
+                rng,
+                &format!("{name}.conv1"),
+                cin,
+                planes,
+                3,
+                stride,
+                1,
+            )?,
             bn1: BatchNorm::new(pool, &format!("{name}.bn1"), planes, false)?,
             conv2: Conv::new(pool, rng, &format!("{name}.conv2"), planes, planes, 3, 1, 1)?,
             bn2: BatchNorm::new(pool, &format!("{name}.bn2"), planes, zero_init_last_bn)?,
@@ -107,7 +165,12 @@ impl BasicBlock {
         (g.oh(), g.ow(), self.conv2.cout)
     }
 
-    pub fn forward(&mut self, pool: &Pool, x: Tensor, mode: Mode) -> Result<(Tensor, Option<BasicSaved>)> {
+    pub fn forward(
+        &mut self,
+        pool: &Pool,
+        x: Tensor,
+        mode: Mode,
+    ) -> Result<(Tensor, Option<BasicSaved>)> {
         let y1 = self.conv1.forward(pool, &x, "y")?;
         let (a1, bn1) = self.bn1.forward(pool, &y1, true, mode, "a")?;
         let y2 = self.conv2.forward(pool, &a1, "y")?;
@@ -115,11 +178,23 @@ impl BasicBlock {
         let (mask, down) = match self.downsample.as_mut() {
             Some(ds) => {
                 let (identity, saved) = ds.forward(pool, &x, mode)?;
-                (join_residual(pool, &self.name, &mut z, &identity)?, Some(saved))
+                (
+                    join_residual(pool, &self.name, &mut z, &identity)?,
+                    Some(saved),
+                )
             }
             None => (join_residual(pool, &self.name, &mut z, &x)?, None),
         };
-        let saved = (mode == Mode::Train).then_some(BasicSaved { x, y1, bn1, a1, y2, bn2, down, mask });
+        let saved = (mode == Mode::Train).then_some(BasicSaved {
+            x,
+            y1,
+            bn1,
+            a1,
+            y2,
+            bn2,
+            down,
+            mask,
+        });
         Ok((z, saved))
     }
 
@@ -169,14 +244,14 @@ pub struct Bottleneck {
 
 /// What `Bottleneck::backward` needs.
 pub struct BottleneckSaved {
-    x: Tensor,   // (n, h, w, cin)       block input and residual
-    y1: Tensor,  // (n, h, w, m)         conv1 out
+    x: Tensor,  // (n, h, w, cin)       block input and residual
+    y1: Tensor, // (n, h, w, m)         conv1 out
     bn1: BnStats,
-    a1: Tensor,  // (n, h, w, m)         conv2 input
-    y2: Tensor,  // (n, h', w', m)       conv2 out (stride here)
+    a1: Tensor, // (n, h, w, m)         conv2 input
+    y2: Tensor, // (n, h', w', m)       conv2 out (stride here)
     bn2: BnStats,
-    a2: Tensor,  // (n, h', w', m)       conv3 input
-    y3: Tensor,  // (n, h', w', 4m)      conv3 out
+    a2: Tensor, // (n, h', w', m)       conv3 input
+    y3: Tensor, // (n, h', w', 4m)      conv3 out
     bn3: BnStats,
     down: Option<DownsampleSaved>,
     mask: Tensor, // (n, h', w', 4m) bits: final ReLU passed
@@ -184,7 +259,12 @@ pub struct BottleneckSaved {
 
 impl BottleneckSaved {
     pub fn bytes(&self) -> usize {
-        [&self.x, &self.y1, &self.a1, &self.y2, &self.a2, &self.y3, &self.mask].iter().map(|t| t.bytes()).sum::<usize>()
+        [
+            &self.x, &self.y1, &self.a1, &self.y2, &self.a2, &self.y3, &self.mask,
+        ]
+        .iter()
+        .map(|t| t.bytes())
+        .sum::<usize>()
             + self.bn1.bytes()
             + self.bn2.bytes()
             + self.bn3.bytes()
@@ -195,7 +275,15 @@ impl BottleneckSaved {
 impl Bottleneck {
     pub const EXPANSION: usize = 4;
 
-    pub fn new(pool: &Pool, rng: &mut ChaCha8Rng, name: &str, cin: usize, planes: usize, stride: usize, zero_init_last_bn: bool) -> Result<Self> {
+    pub fn new(
+        pool: &Pool,
+        rng: &mut ChaCha8Rng,
+        name: &str,
+        cin: usize,
+        planes: usize,
+        stride: usize,
+        zero_init_last_bn: bool,
+    ) -> Result<Self> {
         let cout = planes * Self::EXPANSION;
         let downsample = if stride != 1 || cin != cout {
             Some(Downsample::new(pool, rng, name, cin, cout, stride)?)
@@ -206,7 +294,16 @@ impl Bottleneck {
             name: name.into(),
             conv1: Conv::new(pool, rng, &format!("{name}.conv1"), cin, planes, 1, 1, 0)?,
             bn1: BatchNorm::new(pool, &format!("{name}.bn1"), planes, false)?,
-            conv2: Conv::new(pool, rng, &format!("{name}.conv2"), planes, planes, 3, stride, 1)?,
+            conv2: Conv::new(
+                pool,
+                rng,
+                &format!("{name}.conv2"),
+                planes,
+                planes,
+                3,
+                stride,
+                1,
+            )?,
             bn2: BatchNorm::new(pool, &format!("{name}.bn2"), planes, false)?,
             conv3: Conv::new(pool, rng, &format!("{name}.conv3"), planes, cout, 1, 1, 0)?,
             bn3: BatchNorm::new(pool, &format!("{name}.bn3"), cout, zero_init_last_bn)?,
@@ -219,7 +316,12 @@ impl Bottleneck {
         (g.oh(), g.ow(), self.conv3.cout)
     }
 
-    pub fn forward(&mut self, pool: &Pool, x: Tensor, mode: Mode) -> Result<(Tensor, Option<BottleneckSaved>)> {
+    pub fn forward(
+        &mut self,
+        pool: &Pool,
+        x: Tensor,
+        mode: Mode,
+    ) -> Result<(Tensor, Option<BottleneckSaved>)> {
         let y1 = self.conv1.forward(pool, &x, "y")?;
         let (a1, bn1) = self.bn1.forward(pool, &y1, true, mode, "a")?;
         let y2 = self.conv2.forward(pool, &a1, "y")?;
@@ -229,15 +331,35 @@ impl Bottleneck {
         let (mask, down) = match self.downsample.as_mut() {
             Some(ds) => {
                 let (identity, saved) = ds.forward(pool, &x, mode)?;
-                (join_residual(pool, &self.name, &mut z, &identity)?, Some(saved))
+                (
+                    join_residual(pool, &self.name, &mut z, &identity)?,
+                    Some(saved),
+                )
             }
             None => (join_residual(pool, &self.name, &mut z, &x)?, None),
         };
-        let saved = (mode == Mode::Train).then_some(BottleneckSaved { x, y1, bn1, a1, y2, bn2, a2, y3, bn3, down, mask });
+        let saved = (mode == Mode::Train).then_some(BottleneckSaved {
+            x,
+            y1,
+            bn1,
+            a1,
+            y2,
+            bn2,
+            a2,
+            y3,
+            bn3,
+            down,
+            mask,
+        });
         Ok((z, saved))
     }
 
-    pub fn backward(&mut self, pool: &Pool, s: BottleneckSaved, mut d_out: Tensor) -> Result<Tensor> {
+    pub fn backward(
+        &mut self,
+        pool: &Pool,
+        s: BottleneckSaved,
+        mut d_out: Tensor,
+    ) -> Result<Tensor> {
         relu::relu_mask_backward_inplace(d_out.f32_mut(), s.mask.bits());
         let d_z = d_out;
         let d_y3 = self.bn3.backward(pool, &d_z, &s.y3, &s.bn3, None)?;
@@ -266,7 +388,8 @@ impl Bottleneck {
         let g1 = self.conv1.geom(n, h, w);
         let g2 = self.conv2.geom(n, h, w);
         let out = g2.rows() * self.conv3.cout;
-        let mut b = 4 * (g1.input_len() + 2 * g1.output_len() + 2 * g2.output_len() + out) + out.div_ceil(8);
+        let mut b = 4 * (g1.input_len() + 2 * g1.output_len() + 2 * g2.output_len() + out)
+            + out.div_ceil(8);
         b += self.bn1.stats_bytes() + self.bn2.stats_bytes() + self.bn3.stats_bytes();
         if let Some(ds) = &self.downsample {
             b += 4 * out + ds.bn.stats_bytes();

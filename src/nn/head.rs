@@ -27,16 +27,27 @@ impl HeadSaved {
 
 impl Head {
     pub fn new(pool: &Pool, rng: &mut ChaCha8Rng, features: usize, classes: usize) -> Result<Self> {
-        Ok(Head { fc: Linear::new(pool, rng, "fc", features, classes)? })
+        Ok(Head {
+            fc: Linear::new(pool, rng, "fc", features, classes)?,
+        })
     }
 
-    pub fn forward(&mut self, pool: &Pool, x: Tensor, mode: Mode) -> Result<(Tensor, Option<HeadSaved>)> {
+    pub fn forward(
+        &mut self,
+        pool: &Pool,
+        x: Tensor,
+        mode: Mode,
+    ) -> Result<(Tensor, Option<HeadSaved>)> {
         let (n, h, w, c) = x.shape().nhwc();
-        let mut pooled = pool.empty_f32(&[n, c], Category::Activations, Tag::fixed("avgpool.out"))?;
+        let mut pooled =
+            pool.empty_f32(&[n, c], Category::Activations, Tag::fixed("avgpool.out"))?;
         avgpool::avgpool_forward(pooled.f32_mut(), x.f32(), h * w, c);
         drop(x);
         let logits = self.fc.forward(pool, &pooled)?;
-        let saved = (mode == Mode::Train).then_some(HeadSaved { pooled, input_dims: [n, h, w, c] });
+        let saved = (mode == Mode::Train).then_some(HeadSaved {
+            pooled,
+            input_dims: [n, h, w, c],
+        });
         Ok((logits, saved))
     }
 
@@ -44,7 +55,11 @@ impl Head {
         let d_pooled = self.fc.backward(pool, &d_logits, &s.pooled)?;
         drop((d_logits, s.pooled));
         let [n, h, w, c] = s.input_dims;
-        let mut dx = pool.empty_f32(&[n, h, w, c], Category::Activations, Tag::fixed("avgpool.dx"))?;
+        let mut dx = pool.empty_f32(
+            &[n, h, w, c],
+            Category::Activations,
+            Tag::fixed("avgpool.dx"),
+        )?;
         avgpool::avgpool_backward(dx.f32_mut(), d_pooled.f32(), h * w, c);
         Ok(dx)
     }

@@ -8,8 +8,8 @@ use rand::rngs::ChaCha8Rng;
 use crate::error::Result;
 use crate::memory::{Category, Pool, Tag};
 use crate::nn::{BnPolicy, Mode, Param, normal, uniform};
-use crate::ops::{batchnorm as bn, conv2d, linear};
 use crate::ops::conv2d::ConvGeom;
+use crate::ops::{batchnorm as bn, conv2d, linear};
 use crate::tensor::Tensor;
 
 /// A convolution without bias. Weight layout (kh, kw, cin, cout).
@@ -25,7 +25,17 @@ pub struct Conv {
 
 impl Conv {
     /// Kaiming normal, fan_out, ReLU gain (torchvision's ResNet init).
-    pub fn new(pool: &Pool, rng: &mut ChaCha8Rng, name: &str, cin: usize, cout: usize, k: usize, stride: usize, pad: usize) -> Result<Self> {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        pool: &Pool,
+        rng: &mut ChaCha8Rng,
+        name: &str,
+        cin: usize,
+        cout: usize,
+        k: usize,
+        stride: usize,
+        pad: usize,
+    ) -> Result<Self> {
         let std = (2.0 / (cout * k * k) as f32).sqrt();
         let values = normal(rng, k * k * cin * cout, std);
         Ok(Conv {
@@ -40,25 +50,59 @@ impl Conv {
     }
 
     pub fn geom(&self, n: usize, h: usize, w: usize) -> ConvGeom {
-        ConvGeom { n, h, w, cin: self.cin, cout: self.cout, kh: self.k, kw: self.k, stride: self.stride, pad: self.pad }
+        ConvGeom {
+            n,
+            h,
+            w,
+            cin: self.cin,
+            cout: self.cout,
+            kh: self.k,
+            kw: self.k,
+            stride: self.stride,
+            pad: self.pad,
+        }
     }
 
     pub fn forward(&self, pool: &Pool, x: &Tensor, field: &'static str) -> Result<Tensor> {
         let (n, h, w, _) = x.shape().nhwc();
         let g = self.geom(n, h, w);
         g.validate()?;
-        let mut y = pool.empty_f32(&[n, g.oh(), g.ow(), self.cout], Category::Activations, Tag::new(&self.name, field))?;
-        let mut ws = pool.empty_f32(&[g.forward_workspace_len()], Category::Workspace, Tag::new(&self.name, "im2col"))?;
-        conv2d::conv2d_forward(y.f32_mut(), x.f32(), self.weight.value.f32(), &g, ws.f32_mut());
+        let mut y = pool.empty_f32(
+            &[n, g.oh(), g.ow(), self.cout],
+            Category::Activations,
+            Tag::new(&self.name, field),
+        )?;
+        let mut ws = pool.empty_f32(
+            &[g.forward_workspace_len()],
+            Category::Workspace,
+            Tag::new(&self.name, "im2col"),
+        )?;
+        conv2d::conv2d_forward(
+            y.f32_mut(),
+            x.f32(),
+            self.weight.value.f32(),
+            &g,
+            ws.f32_mut(),
+        );
         Ok(y)
     }
 
     /// Accumulates the weight gradient; adds the input gradient into `dx`
     /// when given.
-    pub fn backward(&mut self, pool: &Pool, dy: &Tensor, x: &Tensor, dx: Option<&mut Tensor>) -> Result<()> {
+    pub fn backward(
+        &mut self,
+        pool: &Pool,
+        dy: &Tensor,
+        x: &Tensor,
+        dx: Option<&mut Tensor>,
+    ) -> Result<()> {
         let (n, h, w, _) = x.shape().nhwc();
         let g = self.geom(n, h, w);
-        let mut ws = pool.empty_f32(&[g.backward_workspace_len()], Category::Workspace, Tag::new(&self.name, "im2col"))?;
+        let mut ws = pool.empty_f32(
+            &[g.backward_workspace_len()],
+            Category::Workspace,
+            Tag::new(&self.name, "im2col"),
+        )?;
         conv2d::conv2d_backward(
             dx.map(|t| t.f32_mut()),
             self.weight.grad.f32_mut(),
@@ -112,8 +156,17 @@ impl BatchNorm {
         Ok(BatchNorm {
             weight: Param::new(pool, &format!("{name}.weight"), &[c], &gamma)?,
             bias: Param::new(pool, &format!("{name}.bias"), &[c], &vec![0.0; c])?,
-            running_mean: pool.zeros_f32(&[c], Category::Params, Tag::new(&prefix, "running_mean"))?,
-            running_var: pool.from_f32(&[c], &vec![1.0; c], Category::Params, Tag::new(&prefix, "running_var"))?,
+            running_mean: pool.zeros_f32(
+                &[c],
+                Category::Params,
+                Tag::new(&prefix, "running_mean"),
+            )?,
+            running_var: pool.from_f32(
+                &[c],
+                &vec![1.0; c],
+                Category::Params,
+                Tag::new(&prefix, "running_var"),
+            )?,
             num_batches_tracked: 0,
             name: prefix,
             c,
@@ -130,7 +183,14 @@ impl BatchNorm {
 
     /// Normalise `x` (and ReLU when `relu`). In `Mode::Train` with batch
     /// policy, uses batch statistics and advances the running ones.
-    pub fn forward(&mut self, pool: &Pool, x: &Tensor, relu: bool, mode: Mode, field: &'static str) -> Result<(Tensor, BnStats)> {
+    pub fn forward(
+        &mut self,
+        pool: &Pool,
+        x: &Tensor,
+        relu: bool,
+        mode: Mode,
+        field: &'static str,
+    ) -> Result<(Tensor, BnStats)> {
         let c = self.c;
         let rows = x.numel() / c;
         let tag = |f| Tag::new(&self.name, f);
@@ -141,19 +201,49 @@ impl BatchNorm {
             let mut var = pool.empty_f32(&[c], Category::Workspace, tag("var"))?;
             bn::bn_batch_stats(mean.f32_mut(), var.f32_mut(), x.f32(), c);
             bn::bn_rstd(rstd.f32_mut(), var.f32(), self.eps);
-            bn::bn_update_running(self.running_mean.f32_mut(), self.running_var.f32_mut(), mean.f32(), var.f32(), rows, self.momentum);
+            bn::bn_update_running(
+                self.running_mean.f32_mut(),
+                self.running_var.f32_mut(),
+                mean.f32(),
+                var.f32(),
+                rows,
+                self.momentum,
+            );
             self.num_batches_tracked += 1;
         } else {
             mean.f32_mut().copy_from_slice(self.running_mean.f32());
             bn::bn_rstd(rstd.f32_mut(), self.running_var.f32(), self.eps);
         }
         let mut y = pool.empty_f32(x.dims(), Category::Activations, tag(field))?;
-        bn::bn_forward(y.f32_mut(), x.f32(), mean.f32(), rstd.f32(), self.weight.value.f32(), self.bias.value.f32(), c, relu);
-        Ok((y, BnStats { mean, rstd, from_batch }))
+        bn::bn_forward(
+            y.f32_mut(),
+            x.f32(),
+            mean.f32(),
+            rstd.f32(),
+            self.weight.value.f32(),
+            self.bias.value.f32(),
+            c,
+            relu,
+        );
+        Ok((
+            y,
+            BnStats {
+                mean,
+                rstd,
+                from_batch,
+            },
+        ))
     }
 
     /// Returns dx; accumulates the affine gradients unless frozen.
-    pub fn backward(&mut self, pool: &Pool, dy: &Tensor, x: &Tensor, stats: &BnStats, relu_out: Option<&Tensor>) -> Result<Tensor> {
+    pub fn backward(
+        &mut self,
+        pool: &Pool,
+        dy: &Tensor,
+        x: &Tensor,
+        stats: &BnStats,
+        relu_out: Option<&Tensor>,
+    ) -> Result<Tensor> {
         let mut dx = pool.empty_f32(x.dims(), Category::Activations, Tag::new(&self.name, "dx"))?;
         let frozen = self.policy == BnPolicy::Frozen;
         bn::bn_backward(
@@ -185,7 +275,13 @@ pub struct Linear {
 impl Linear {
     /// PyTorch's default nn.Linear init: weight and bias uniform in
     /// ±1/sqrt(fan_in).
-    pub fn new(pool: &Pool, rng: &mut ChaCha8Rng, name: &str, fin: usize, fout: usize) -> Result<Self> {
+    pub fn new(
+        pool: &Pool,
+        rng: &mut ChaCha8Rng,
+        name: &str,
+        fin: usize,
+        fout: usize,
+    ) -> Result<Self> {
         let bound = 1.0 / (fin as f32).sqrt();
         let w = uniform(rng, fout * fin, bound);
         let b = uniform(rng, fout, bound);
@@ -200,8 +296,20 @@ impl Linear {
 
     pub fn forward(&self, pool: &Pool, x: &Tensor) -> Result<Tensor> {
         let n = x.dims()[0];
-        let mut y = pool.empty_f32(&[n, self.fout], Category::Activations, Tag::new(&self.name, "y"))?;
-        linear::linear_forward(y.f32_mut(), x.f32(), self.weight.value.f32(), self.bias.value.f32(), n, self.fin, self.fout);
+        let mut y = pool.empty_f32(
+            &[n, self.fout],
+            Category::Activations,
+            Tag::new(&self.name, "y"),
+        )?;
+        linear::linear_forward(
+            y.f32_mut(),
+            x.f32(),
+            self.weight.value.f32(),
+            self.bias.value.f32(),
+            n,
+            self.fin,
+            self.fout,
+        );
         Ok(y)
     }
 

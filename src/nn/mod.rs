@@ -73,5 +73,7 @@ pub(crate) fn normal(rng: &mut ChaCha8Rng, n: usize, std: f32) -> Vec<f32> {
 
 /// Uniform samples in [-bound, bound).
 pub(crate) fn uniform(rng: &mut ChaCha8Rng, n: usize, bound: f32) -> Vec<f32> {
-    (0..n).map(|_| (rng.random::<f32>() * 2.0 - 1.0) * bound).collect()
+    (0..n)
+        .map(|_| (rng.random::<f32>() * 2.0 - 1.0) * bound)
+        .collect()
 }

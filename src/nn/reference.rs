@@ -21,7 +21,10 @@ pub fn collect_params(model: &mut ResNet) -> RefParams {
     let mut m = HashMap::new();
     model.visit_state(|slot| {
         if let StateSlot::Param { param, .. } = slot {
-            m.insert(param.name.clone(), param.value.f32().iter().map(|&v| v as f64).collect());
+            m.insert(
+                param.name.clone(),
+                param.value.f32().iter().map(|&v| v as f64).collect(),
+            );
         }
     });
     m
@@ -42,24 +45,73 @@ struct Ctx<'a> {
 
 impl Ctx<'_> {
     fn conv(&self, x: &Act, name: &str, cout: usize, k: usize, stride: usize, pad: usize) -> Act {
-        let g = ConvGeom { n: self.n, h: x.h, w: x.w, cin: x.c, cout, kh: k, kw: k, stride, pad };
-        Act { v: conv2d_ref(&x.v, &self.p[&format!("{name}.weight")], &g), h: g.oh(), w: g.ow(), c: cout }
+        let g = ConvGeom {
+            n: self.n,
+            h: x.h,
+            w: x.w,
+            cin: x.c,
+            cout,
+            kh: k,
+            kw: k,
+            stride,
+            pad,
+        };
+        Act {
+            v: conv2d_ref(&x.v, &self.p[&format!("{name}.weight")], &g),
+            h: g.oh(),
+            w: g.ow(),
+            c: cout,
+        }
     }
 
     fn bn(&self, x: Act, name: &str, relu: bool) -> Act {
-        let v = bn_forward_ref(&x.v, &self.p[&format!("{name}.weight")], &self.p[&format!("{name}.bias")], None, x.c, 1e-5, relu);
+        let v = bn_forward_ref(
+            &x.v,
+            &self.p[&format!("{name}.weight")],
+            &self.p[&format!("{name}.bias")],
+            None,
+            x.c,
+            1e-5,
+            relu,
+        );
         Act { v, ..x }
     }
 }
 
 /// Mean cross-entropy of the network on `x` (n, h, w, 3) in training mode.
-pub fn loss_ref(config: &ResNetConfig, p: &RefParams, x: &[f64], n: usize, h: usize, w: usize, labels: &[usize]) -> f64 {
+pub fn loss_ref(
+    config: &ResNetConfig,
+    p: &RefParams,
+    x: &[f64],
+    n: usize,
+    h: usize,
+    w: usize,
+    labels: &[usize],
+) -> f64 {
     let cx = Ctx { p, n };
     let base = config.base_width;
-    let mut a = Act { v: x.to_vec(), h, w, c: 3 };
+    let mut a = Act {
+        v: x.to_vec(),
+        h,
+        w,
+        c: 3,
+    };
     a = cx.bn(cx.conv(&a, "conv1", base, 7, 2, 3), "bn1", true);
-    let g = PoolGeom { n, h: a.h, w: a.w, c: a.c, k: 3, stride: 2, pad: 1 };
-    a = Act { v: maxpool_ref(&a.v, &g).0, h: g.oh(), w: g.ow(), c: a.c };
+    let g = PoolGeom {
+        n,
+        h: a.h,
+        w: a.w,
+        c: a.c,
+        k: 3,
+        stride: 2,
+        pad: 1,
+    };
+    a = Act {
+        v: maxpool_ref(&a.v, &g).0,
+        h: g.oh(),
+        w: g.ow(),
+        c: a.c,
+    };
     let exp = config.expansion();
     for (li, &blocks) in config.layers.iter().enumerate() {
         let planes = base << li;
@@ -68,26 +120,63 @@ pub fn loss_ref(config: &ResNetConfig, p: &RefParams, x: &[f64], n: usize, h: us
             let name = format!("layer{}.{bi}", li + 1);
             let cout = planes * exp;
             let identity = if stride != 1 || a.c != cout {
-                cx.bn(cx.conv(&a, &format!("{name}.downsample.0"), cout, 1, stride, 0), &format!("{name}.downsample.1"), false)
+                cx.bn(
+                    cx.conv(&a, &format!("{name}.downsample.0"), cout, 1, stride, 0),
+                    &format!("{name}.downsample.1"),
+                    false,
+                )
             } else {
-                Act { v: a.v.clone(), ..a }
+                Act {
+                    v: a.v.clone(),
+                    ..a
+                }
             };
             let z = match config.block {
                 BlockKind::Basic => {
-                    let t = cx.bn(cx.conv(&a, &format!("{name}.conv1"), planes, 3, stride, 1), &format!("{name}.bn1"), true);
-                    cx.bn(cx.conv(&t, &format!("{name}.conv2"), planes, 3, 1, 1), &format!("{name}.bn2"), false)
+                    let t = cx.bn(
+                        cx.conv(&a, &format!("{name}.conv1"), planes, 3, stride, 1),
+                        &format!("{name}.bn1"),
+                        true,
+                    );
+                    cx.bn(
+                        cx.conv(&t, &format!("{name}.conv2"), planes, 3, 1, 1),
+                        &format!("{name}.bn2"),
+                        false,
+                    )
                 }
                 BlockKind::Bottleneck => {
-                    let t = cx.bn(cx.conv(&a, &format!("{name}.conv1"), planes, 1, 1, 0), &format!("{name}.bn1"), true);
-                    let t = cx.bn(cx.conv(&t, &format!("{name}.conv2"), planes, 3, stride, 1), &format!("{name}.bn2"), true);
-                    cx.bn(cx.conv(&t, &format!("{name}.conv3"), cout, 1, 1, 0), &format!("{name}.bn3"), false)
+                    let t = cx.bn(
+                        cx.conv(&a, &format!("{name}.conv1"), planes, 1, 1, 0),
+                        &format!("{name}.bn1"),
+                        true,
+                    );
+                    let t = cx.bn(
+                        cx.conv(&t, &format!("{name}.conv2"), planes, 3, stride, 1),
+                        &format!("{name}.bn2"),
+                        true,
+                    );
+                    cx.bn(
+                        cx.conv(&t, &format!("{name}.conv3"), cout, 1, 1, 0),
+                        &format!("{name}.bn3"),
+                        false,
+                    )
                 }
             };
             let sum: Vec<f64> = z.v.iter().zip(&identity.v).map(|(a, b)| a + b).collect();
-            a = Act { v: relu_ref(&sum), ..z };
+            a = Act {
+                v: relu_ref(&sum),
+                ..z
+            };
         }
     }
     let pooled = avgpool_ref(&a.v, a.h * a.w, a.c);
-    let logits = linear_ref(&pooled, &p["fc.weight"], &p["fc.bias"], n, a.c, config.num_classes);
+    let logits = linear_ref(
+        &pooled,
+        &p["fc.weight"],
+        &p["fc.bias"],
+        n,
+        a.c,
+        config.num_classes,
+    );
     cross_entropy_ref(&logits, labels, config.num_classes, 0.0)
 }

@@ -5,7 +5,10 @@ use rand::{SeedableRng, rngs::ChaCha8Rng};
 
 use crate::error::{Error, Result};
 use crate::memory::Pool;
-use crate::nn::{BasicBlock, BasicSaved, BnPolicy, Bottleneck, BottleneckSaved, Head, HeadSaved, Mode, Param, Stem, StemSaved};
+use crate::nn::{
+    BasicBlock, BasicSaved, BnPolicy, Bottleneck, BottleneckSaved, Head, HeadSaved, Mode, Param,
+    Stem, StemSaved,
+};
 use crate::tensor::Tensor;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -30,7 +33,14 @@ pub struct ResNetConfig {
 
 impl ResNetConfig {
     fn new(block: BlockKind, layers: [usize; 4]) -> Self {
-        ResNetConfig { block, layers, base_width: 64, num_classes: 1000, zero_init_residual: false, seed: 0 }
+        ResNetConfig {
+            block,
+            layers,
+            base_width: 64,
+            num_classes: 1000,
+            zero_init_residual: false,
+            seed: 0,
+        }
     }
     pub fn resnet18() -> Self {
         Self::new(BlockKind::Basic, [2, 2, 2, 2])
@@ -58,7 +68,9 @@ impl ResNetConfig {
             "resnet152" => Ok(Self::resnet152()),
             _ => Err(Error::invalid(
                 "model",
-                format!("unknown model '{name}' (choose resnet18, resnet34, resnet50, resnet101 or resnet152)"),
+                format!(
+                    "unknown model '{name}' (choose resnet18, resnet34, resnet50, resnet101 or resnet152)"
+                ),
             )),
         }
     }
@@ -71,7 +83,9 @@ impl ResNetConfig {
     }
 }
 
-/// One link of the chain.
+/// One link of the chain. Variants differ in size, but there is one per
+/// block in a `Vec`, so boxing would buy nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum Stage {
     Stem(Stem),
     Basic(BasicBlock),
@@ -79,7 +93,8 @@ pub enum Stage {
     Head(Head),
 }
 
-/// What a stage's backward needs, by stage kind.
+/// What a stage's backward needs, by stage kind (one per stage, see above).
+#[allow(clippy::large_enum_variant)]
 pub enum Saved {
     Stem(StemSaved),
     Basic(BasicSaved),
@@ -119,7 +134,12 @@ impl Stage {
         }
     }
 
-    pub fn forward(&mut self, pool: &Pool, x: Tensor, mode: Mode) -> Result<(Tensor, Option<Saved>)> {
+    pub fn forward(
+        &mut self,
+        pool: &Pool,
+        x: Tensor,
+        mode: Mode,
+    ) -> Result<(Tensor, Option<Saved>)> {
         Ok(match self {
             Stage::Stem(s) => {
                 let (y, saved) = s.forward(pool, x, mode)?;
@@ -148,7 +168,10 @@ impl Stage {
             (Stage::Basic(b), Saved::Basic(sv)) => b.backward(pool, sv, d_out).map(Some),
             (Stage::Bottleneck(b), Saved::Bottleneck(sv)) => b.backward(pool, sv, d_out).map(Some),
             (Stage::Head(hd), Saved::Head(sv)) => hd.backward(pool, sv, d_out).map(Some),
-            (stage, _) => Err(Error::invalid("backward", format!("saved state does not belong to stage {}", stage.name()))),
+            (stage, _) => Err(Error::invalid(
+                "backward",
+                format!("saved state does not belong to stage {}", stage.name()),
+            )),
         }
     }
 
@@ -165,15 +188,36 @@ impl Stage {
     fn visit(&mut self, v: &mut dyn FnMut(StateSlot<'_>)) {
         use crate::nn::{BatchNorm, Conv};
         fn conv(c: &mut Conv, v: &mut dyn FnMut(StateSlot<'_>)) {
-            v(StateSlot::Param { param: &mut c.weight, torch_shape: vec![c.cout, c.cin, c.k, c.k], layout: WeightLayout::Hwio });
+            v(StateSlot::Param {
+                param: &mut c.weight,
+                torch_shape: vec![c.cout, c.cin, c.k, c.k],
+                layout: WeightLayout::Hwio,
+            });
         }
         fn bn(b: &mut BatchNorm, v: &mut dyn FnMut(StateSlot<'_>)) {
             let c = b.c;
-            v(StateSlot::Param { param: &mut b.weight, torch_shape: vec![c], layout: WeightLayout::Plain });
-            v(StateSlot::Param { param: &mut b.bias, torch_shape: vec![c], layout: WeightLayout::Plain });
-            v(StateSlot::Buffer { name: format!("{}.running_mean", b.name), data: b.running_mean.f32_mut() });
-            v(StateSlot::Buffer { name: format!("{}.running_var", b.name), data: b.running_var.f32_mut() });
-            v(StateSlot::Count { name: format!("{}.num_batches_tracked", b.name), value: &mut b.num_batches_tracked });
+            v(StateSlot::Param {
+                param: &mut b.weight,
+                torch_shape: vec![c],
+                layout: WeightLayout::Plain,
+            });
+            v(StateSlot::Param {
+                param: &mut b.bias,
+                torch_shape: vec![c],
+                layout: WeightLayout::Plain,
+            });
+            v(StateSlot::Buffer {
+                name: format!("{}.running_mean", b.name),
+                data: b.running_mean.f32_mut(),
+            });
+            v(StateSlot::Buffer {
+                name: format!("{}.running_var", b.name),
+                data: b.running_var.f32_mut(),
+            });
+            v(StateSlot::Count {
+                name: format!("{}.num_batches_tracked", b.name),
+                value: &mut b.num_batches_tracked,
+            });
         }
         match self {
             Stage::Stem(s) => {
@@ -204,8 +248,16 @@ impl Stage {
             }
             Stage::Head(hd) => {
                 let (o, i) = (hd.fc.fout, hd.fc.fin);
-                v(StateSlot::Param { param: &mut hd.fc.weight, torch_shape: vec![o, i], layout: WeightLayout::Plain });
-                v(StateSlot::Param { param: &mut hd.fc.bias, torch_shape: vec![o], layout: WeightLayout::Plain });
+                v(StateSlot::Param {
+                    param: &mut hd.fc.weight,
+                    torch_shape: vec![o, i],
+                    layout: WeightLayout::Plain,
+                });
+                v(StateSlot::Param {
+                    param: &mut hd.fc.bias,
+                    torch_shape: vec![o],
+                    layout: WeightLayout::Plain,
+                });
             }
         }
     }
@@ -222,9 +274,19 @@ pub enum WeightLayout {
 
 /// One entry of the torchvision state_dict, borrowed from the model.
 pub enum StateSlot<'a> {
-    Param { param: &'a mut Param, torch_shape: Vec<usize>, layout: WeightLayout },
-    Buffer { name: String, data: &'a mut [f32] },
-    Count { name: String, value: &'a mut i64 },
+    Param {
+        param: &'a mut Param,
+        torch_shape: Vec<usize>,
+        layout: WeightLayout,
+    },
+    Buffer {
+        name: String,
+        data: &'a mut [f32],
+    },
+    Count {
+        name: String,
+        value: &'a mut i64,
+    },
 }
 
 impl StateSlot<'_> {
@@ -246,7 +308,10 @@ impl ResNet {
     /// Builds the network with torchvision's initialisation from `config.seed`.
     pub fn new(pool: &Pool, config: ResNetConfig) -> Result<Self> {
         if config.base_width == 0 || config.num_classes == 0 || config.layers.contains(&0) {
-            return Err(Error::invalid("ResNet", format!("degenerate configuration {config:?}")));
+            return Err(Error::invalid(
+                "ResNet",
+                format!("degenerate configuration {config:?}"),
+            ));
         }
         let mut rng = ChaCha8Rng::seed_from_u64(config.seed);
         let mut stages = vec![Stage::Stem(Stem::new(pool, &mut rng, config.base_width)?)];
@@ -258,13 +323,22 @@ impl ResNet {
                 let name = format!("layer{}.{bi}", li + 1);
                 let z = config.zero_init_residual;
                 stages.push(match config.block {
-                    BlockKind::Basic => Stage::Basic(BasicBlock::new(pool, &mut rng, &name, cin, planes, stride, z)?),
-                    BlockKind::Bottleneck => Stage::Bottleneck(Bottleneck::new(pool, &mut rng, &name, cin, planes, stride, z)?),
+                    BlockKind::Basic => Stage::Basic(BasicBlock::new(
+                        pool, &mut rng, &name, cin, planes, stride, z,
+                    )?),
+                    BlockKind::Bottleneck => Stage::Bottleneck(Bottleneck::new(
+                        pool, &mut rng, &name, cin, planes, stride, z,
+                    )?),
                 });
                 cin = planes * config.expansion();
             }
         }
-        stages.push(Stage::Head(Head::new(pool, &mut rng, cin, config.num_classes)?));
+        stages.push(Stage::Head(Head::new(
+            pool,
+            &mut rng,
+            cin,
+            config.num_classes,
+        )?));
         Ok(ResNet { config, stages })
     }
 
@@ -337,7 +411,11 @@ impl ResNet {
     /// Saved bytes of every stage for a batch of n (h, w) images.
     pub fn saved_bytes_per_stage(&self, n: usize, h: usize, w: usize) -> Vec<usize> {
         let ins = self.stage_inputs(h, w);
-        self.stages.iter().zip(&ins).map(|(s, &(sh, sw, _))| s.saved_bytes(n, sh, sw)).collect()
+        self.stages
+            .iter()
+            .zip(&ins)
+            .map(|(s, &(sh, sw, _))| s.saved_bytes(n, sh, sw))
+            .collect()
     }
 
     /// Checks an image size is big enough for the network.
@@ -346,7 +424,10 @@ impl ResNet {
         let min = 1;
         let (sh, sw, _) = self.stage_inputs(h, w)[1];
         if h < 2 || w < 2 || sh < min || sw < min {
-            return Err(Error::invalid("image size", format!("{h}x{w} is too small for this network")));
+            return Err(Error::invalid(
+                "image size",
+                format!("{h}x{w} is too small for this network"),
+            ));
         }
         Ok(())
     }

@@ -36,7 +36,15 @@ impl Stem {
     }
 
     fn pool_geom(n: usize, h: usize, w: usize, c: usize) -> PoolGeom {
-        PoolGeom { n, h, w, c, k: 3, stride: 2, pad: 1 }
+        PoolGeom {
+            n,
+            h,
+            w,
+            c,
+            k: 3,
+            stride: 2,
+            pad: 1,
+        }
     }
 
     /// (h, w, c) of the output for an (h, w) input.
@@ -46,13 +54,22 @@ impl Stem {
         (p.oh(), p.ow(), self.conv1.cout)
     }
 
-    pub fn forward(&mut self, pool: &Pool, x: Tensor, mode: Mode) -> Result<(Tensor, Option<StemSaved>)> {
+    pub fn forward(
+        &mut self,
+        pool: &Pool,
+        x: Tensor,
+        mode: Mode,
+    ) -> Result<(Tensor, Option<StemSaved>)> {
         let y = self.conv1.forward(pool, &x, "y")?;
         let (a, bn) = self.bn1.forward(pool, &y, true, mode, "a")?;
         let (n, h, w, c) = a.shape().nhwc();
         let g = Self::pool_geom(n, h, w, c);
         g.validate()?;
-        let mut out = pool.empty_f32(&[n, g.oh(), g.ow(), c], Category::Activations, Tag::fixed("maxpool.out"))?;
+        let mut out = pool.empty_f32(
+            &[n, g.oh(), g.ow(), c],
+            Category::Activations,
+            Tag::fixed("maxpool.out"),
+        )?;
         maxpool::maxpool_forward(out.f32_mut(), a.f32(), &g);
         let saved = (mode == Mode::Train).then_some(StemSaved { x, y, bn, a });
         Ok((out, saved))
@@ -63,7 +80,12 @@ impl Stem {
         let StemSaved { x, y, bn, a } = saved;
         let (n, h, w, c) = a.shape().nhwc();
         let mut d_a = pool.empty_f32(a.dims(), Category::Activations, Tag::fixed("maxpool.dx"))?;
-        maxpool::maxpool_backward(d_a.f32_mut(), d_out.f32(), a.f32(), &Self::pool_geom(n, h, w, c));
+        maxpool::maxpool_backward(
+            d_a.f32_mut(),
+            d_out.f32(),
+            a.f32(),
+            &Self::pool_geom(n, h, w, c),
+        );
         drop(d_out);
         let d_y = self.bn1.backward(pool, &d_a, &y, &bn, Some(&a))?;
         drop((d_a, a));

@@ -71,13 +71,15 @@ pub fn relu_mask_backward(dx: &mut [f32], dy: &[f32], mask: &[u8]) {
 
 /// In place: d = 0 where the mask bit is clear.
 pub fn relu_mask_backward_inplace(d: &mut [f32], mask: &[u8]) {
-    d.par_chunks_mut(CHUNK).zip(mask.par_chunks(CHUNK / 8)).for_each(|(d, mask)| {
-        for (i, v) in d.iter_mut().enumerate() {
-            if mask[i / 8] >> (i % 8) & 1 == 0 {
-                *v = 0.0;
+    d.par_chunks_mut(CHUNK)
+        .zip(mask.par_chunks(CHUNK / 8))
+        .for_each(|(d, mask)| {
+            for (i, v) in d.iter_mut().enumerate() {
+                if mask[i / 8] >> (i % 8) & 1 == 0 {
+                    *v = 0.0;
+                }
             }
-        }
-    });
+        });
 }
 
 pub fn relu_ref(x: &[f64]) -> Vec<f64> {

@@ -18,7 +18,13 @@ pub struct Sgd {
 
 impl Sgd {
     pub fn new(lr: f32, momentum: f32, weight_decay: f32, nesterov: bool) -> Self {
-        Sgd { lr, momentum, weight_decay, nesterov, buffers: Vec::new() }
+        Sgd {
+            lr,
+            momentum,
+            weight_decay,
+            nesterov,
+            buffers: Vec::new(),
+        }
     }
 
     pub fn step(&mut self, pool: &Pool, model: &mut ResNet) -> Result<()> {
@@ -32,7 +38,11 @@ impl Sgd {
                 return;
             }
             if first {
-                match pool.zeros_f32(p.value.dims(), Category::Optimizer, Tag::fixed("sgd.momentum")) {
+                match pool.zeros_f32(
+                    p.value.dims(),
+                    Category::Optimizer,
+                    Tag::fixed("sgd.momentum"),
+                ) {
                     Ok(t) => buffers.push(t),
                     Err(e) => {
                         err = Some(e);
