@@ -26,6 +26,8 @@ pub enum Error {
     BadWeights { path: String, reason: String },
     #[error("{path}: {reason}")]
     Io { path: String, reason: String },
+    #[error("{path}: {reason}")]
+    BadData { path: String, reason: String },
 
     // === Numerics ===
     #[error("non-finite loss {loss} at step {step}")]
