@@ -231,13 +231,19 @@ impl PoolState {
         self.cached_bytes = 0;
     }
 
-    fn report(&self, tag: &Tag, category: Category, requested: usize) -> BudgetReport {
-        let mut largest: Vec<(String, Category, usize)> = self
+    /// Live buffers as (tag, category, bytes), largest first.
+    fn live_buffers(&self) -> Vec<(String, Category, usize)> {
+        let mut v: Vec<_> = self
             .entries
             .values()
             .map(|e| (e.tag.to_string(), e.category, e.bytes))
             .collect();
-        largest.sort_by(|a, b| b.2.cmp(&a.2).then_with(|| a.0.cmp(&b.0)));
+        v.sort_by(|a, b| b.2.cmp(&a.2).then_with(|| a.0.cmp(&b.0)));
+        v
+    }
+
+    fn report(&self, tag: &Tag, category: Category, requested: usize) -> BudgetReport {
+        let mut largest = self.live_buffers();
         largest.truncate(8);
         BudgetReport {
             tag: tag.to_string(),
@@ -323,14 +329,7 @@ impl Pool {
 
     /// Live buffers as (tag, category, bytes), largest first.
     pub fn live_buffers(&self) -> Vec<(String, Category, usize)> {
-        let s = self.lock();
-        let mut v: Vec<_> = s
-            .entries
-            .values()
-            .map(|e| (e.tag.to_string(), e.category, e.bytes))
-            .collect();
-        v.sort_by(|a, b| b.2.cmp(&a.2).then_with(|| a.0.cmp(&b.0)));
-        v
+        self.lock().live_buffers()
     }
 
     /// A tensor whose contents are unspecified (whatever the reused storage
