@@ -30,7 +30,7 @@ fn assert_clean_error(args: &[&str], needle: &str) {
 }
 
 #[test]
-fn train_runs_and_learns_on_the_builtin_dataset() {
+fn train_runs_and_learns_on_the_embedded_digits() {
     let (code, out, err) = memfit(&[
         "--threads",
         "2",
@@ -51,8 +51,12 @@ fn train_runs_and_learns_on_the_builtin_dataset() {
         out.contains("epoch 1:") && out.contains("epoch 2:"),
         "{out}"
     );
-    assert!(out.contains("tracked peak"), "{out}");
-    // The loss of the second epoch is below chance level (ln 6 = 1.79).
+    assert!(
+        out.contains("tracked peak") && out.contains("val top-1"),
+        "{out}"
+    );
+    // The default data is the embedded digits; after two epochs the loss is
+    // well below chance level (ln 10 = 2.30).
     let loss: f64 = out
         .lines()
         .find(|l| l.starts_with("epoch 2:"))
@@ -61,6 +65,89 @@ fn train_runs_and_learns_on_the_builtin_dataset() {
         .and_then(|s| s.parse().ok())
         .expect("epoch 2 loss");
     assert!(loss < 1.5, "epoch 2 train loss {loss}");
+}
+
+#[test]
+fn train_on_synthetic_writes_metrics_and_weights_that_eval_reads() {
+    let dir = std::env::temp_dir().join(format!("memfit-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (metrics, weights) = (dir.join("m.jsonl"), dir.join("w.safetensors"));
+    let (code, out, err) = memfit(&[
+        "train",
+        "--data",
+        "synthetic",
+        "--train-size",
+        "128",
+        "--val-size",
+        "64",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "32",
+        "--base-width",
+        "8",
+        "--classes",
+        "4",
+        "--metrics-jsonl",
+        metrics.to_str().unwrap(),
+        "--save-weights",
+        weights.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "stderr:\n{err}");
+    let text = std::fs::read_to_string(&metrics).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    // 128 / 32 = 4 steps per epoch, 2 epochs, plus 2 evaluations.
+    assert_eq!(
+        lines.iter().filter(|l| l.contains("\"loss\"")).count(),
+        8,
+        "{text}"
+    );
+    assert_eq!(
+        lines.iter().filter(|l| l.contains("\"val_top1\"")).count(),
+        2,
+        "{text}"
+    );
+    assert!(
+        lines[0].starts_with("{\"step\":1,\"epoch\":1,")
+            && lines[0].contains("\"peak_activations_bytes\":")
+    );
+    let val_line = out
+        .lines()
+        .rfind(|l| l.contains("val top-1"))
+        .unwrap()
+        .to_string();
+    let (code, eval_out, err) = memfit(&[
+        "eval",
+        "--data",
+        "synthetic",
+        "--val-size",
+        "64",
+        "--base-width",
+        "8",
+        "--classes",
+        "4",
+        "--weights",
+        weights.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "stderr:\n{err}");
+    // Same validation set and weights: the same top-1 as the last epoch.
+    let after = |s: &str, key: &str| {
+        s.split(key)
+            .nth(1)
+            .and_then(|t| t.split([',', '%']).next())
+            .map(str::to_string)
+    };
+    assert_eq!(
+        after(&eval_out, "top-1 "),
+        after(&val_line, "val top-1 "),
+        "{eval_out} vs {val_line}"
+    );
+    assert_eq!(
+        after(&eval_out, "loss "),
+        after(&val_line, "val loss "),
+        "{eval_out} vs {val_line}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]
@@ -111,4 +198,12 @@ fn bad_inputs_give_clear_errors() {
     assert_clean_error(&["train", "--image-size", "1"], "too small");
     assert_clean_error(&["bench", "step", "--batch-size", "0"], "at least 1");
     assert_clean_error(&["train", "--no-such-flag"], "unexpected argument");
+    assert_clean_error(
+        &["train", "--data", "imagenet"],
+        "unknown dataset 'imagenet'",
+    );
+    assert_clean_error(
+        &["eval", "--weights", "/nonexistent/w.safetensors"],
+        "/nonexistent/w.safetensors",
+    );
 }

@@ -3,14 +3,17 @@
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
-use clap::{Args, Parser, Subcommand};
+use std::path::PathBuf;
 
-use memfit::data::SyntheticGratings;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use memfit::data::{InMemoryDataset, SyntheticGratings, load_digits, load_fashion_mnist};
 use memfit::exec::{LossOptions, Plan, forward_backward};
+use memfit::io::{TensorFile, fc_rows, load_torchvision, save_state_dict};
 use memfit::memory::{Category, MemoryStats, Pool, Tag, fmt_bytes, parse_bytes};
 use memfit::nn::{ResNet, ResNetConfig};
-use memfit::optim::Sgd;
-use memfit::train::{TrainOptions, fit};
+use memfit::optim::{AdamW, LrSchedule, Schedule, Sgd};
+use memfit::train::{Optimizer, TrainOptions, evaluate, fit};
 
 #[derive(Parser)]
 #[command(
@@ -28,8 +31,10 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Train on the built-in dataset (synthetic oriented gratings).
+    /// Train a ResNet (default: a small ResNet-18 on the embedded digits).
     Train(TrainArgs),
+    /// Loss, top-1 and top-5 of saved weights on a dataset's validation split.
+    Eval(EvalArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -75,38 +80,122 @@ struct StepArgs {
     memory_budget: Option<String>,
 }
 
+#[derive(Clone, Copy, ValueEnum)]
+enum OptimizerKind {
+    Sgd,
+    Adamw,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ScheduleKind {
+    Constant,
+    Step,
+    Cosine,
+}
+
+#[derive(Args)]
+struct DataArgs {
+    /// digits (embedded, scikit-learn's 8x8 handwritten digits),
+    /// fashion-mnist (Debian's dataset-fashion-mnist) or synthetic (gratings).
+    #[arg(long, default_value = "digits")]
+    data: String,
+    /// Side of the square network input; images are resized (bilinear) to it.
+    /// Default: 32 for digits and synthetic, 28 for fashion-mnist.
+    #[arg(long)]
+    image_size: Option<usize>,
+    /// Classes of the synthetic gratings.
+    #[arg(long, default_value_t = 6)]
+    classes: usize,
+    /// Images of the synthetic training set.
+    #[arg(long, default_value_t = 3072)]
+    train_size: usize,
+    /// Images of the synthetic validation set.
+    #[arg(long, default_value_t = 768)]
+    val_size: usize,
+    /// Fraction of the digits held out for validation.
+    #[arg(long, default_value_t = 0.2)]
+    val_fraction: f32,
+}
+
 #[derive(Args)]
 struct TrainArgs {
     #[arg(long, default_value = "resnet18")]
     model: String,
+    /// Channels of the stem and layer1 (torchvision: 64).
     #[arg(long, default_value_t = 16)]
     base_width: usize,
-    #[arg(long, default_value_t = 32)]
-    image_size: usize,
-    /// Classes (orientations) of the synthetic gratings.
-    #[arg(long, default_value_t = 6)]
-    classes: usize,
-    #[arg(long, default_value_t = 3072)]
-    train_size: usize,
-    #[arg(long, default_value_t = 768)]
-    val_size: usize,
-    #[arg(long, default_value_t = 4)]
+    #[command(flatten)]
+    data: DataArgs,
+    #[arg(long, default_value_t = 10)]
     epochs: usize,
     #[arg(long, default_value_t = 64)]
     batch_size: usize,
+    #[arg(long, value_enum, default_value = "sgd")]
+    optimizer: OptimizerKind,
     #[arg(long, default_value_t = 0.05)]
     lr: f32,
     #[arg(long, default_value_t = 0.9)]
     momentum: f32,
-    #[arg(long, default_value_t = 5e-4)]
-    weight_decay: f32,
+    #[arg(long)]
+    nesterov: bool,
+    /// Default 5e-4 for SGD; AdamW uses 0.01 unless given.
+    #[arg(long)]
+    weight_decay: Option<f32>,
+    #[arg(long, value_enum, default_value = "cosine")]
+    schedule: ScheduleKind,
+    /// Linear warmup before the schedule, in epochs.
+    #[arg(long, default_value_t = 0)]
+    warmup_epochs: usize,
+    /// Step schedule: multiply the LR by --gamma every this many epochs.
+    #[arg(long, default_value_t = 30)]
+    step_epochs: usize,
+    #[arg(long, default_value_t = 0.1)]
+    gamma: f32,
     #[arg(long, default_value_t = 0.0)]
     label_smoothing: f32,
+    /// Clip the global gradient norm to this value.
+    #[arg(long)]
+    clip_grad_norm: Option<f32>,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Keep the dataset's order instead of shuffling every epoch.
+    #[arg(long)]
+    no_shuffle: bool,
+    /// Evaluate every N epochs (and after the last).
+    #[arg(long, default_value_t = 1)]
+    eval_every: usize,
+    /// Append one JSON object per optimizer step and per evaluation.
+    #[arg(long)]
+    metrics_jsonl: Option<PathBuf>,
+    /// Start from a torchvision-layout state_dict (.safetensors).
+    #[arg(long)]
+    init: Option<PathBuf>,
+    /// With --init: keep a fresh fc for this dataset's classes.
+    #[arg(long)]
+    reset_head: bool,
+    /// Write the trained weights (torchvision layout) here.
+    #[arg(long)]
+    save_weights: Option<PathBuf>,
     /// Refuse to hold more than this many bytes (e.g. 4GiB, 512MB).
     #[arg(long)]
     memory_budget: Option<String>,
+}
+
+#[derive(Args)]
+struct EvalArgs {
+    #[arg(long, default_value = "resnet18")]
+    model: String,
+    #[arg(long, default_value_t = 16)]
+    base_width: usize,
+    /// Weights to evaluate (torchvision layout, .safetensors).
+    #[arg(long)]
+    weights: PathBuf,
+    #[command(flatten)]
+    data: DataArgs,
+    #[arg(long, default_value_t = 64)]
+    batch_size: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
 }
 
 fn main() {
@@ -129,6 +218,7 @@ fn run() -> Result<()> {
     }
     match cli.command {
         Command::Train(a) => train(a),
+        Command::Eval(a) => eval(a),
         Command::Bench(BenchCommand::Step(a)) => bench_step(a),
     }
 }
@@ -234,68 +324,183 @@ fn bench_step(a: StepArgs) -> Result<()> {
     Ok(())
 }
 
+/// (train, validation) sets at the requested image size.
+fn load_data(a: &DataArgs, seed: u64) -> Result<(InMemoryDataset, InMemoryDataset, usize)> {
+    let (train, val, native) = match a.data.as_str() {
+        "digits" => {
+            let (t, v) = load_digits(a.val_fraction, seed)?;
+            (t, v, 32)
+        }
+        "fashion-mnist" => {
+            let (t, v) = load_fashion_mnist()?;
+            (t, v, 28)
+        }
+        "synthetic" => {
+            if a.classes < 2 {
+                bail!("--classes must be at least 2");
+            }
+            let size = a.image_size.unwrap_or(32);
+            let t = SyntheticGratings::generate(
+                a.train_size,
+                size,
+                a.classes,
+                seed.wrapping_mul(2).wrapping_add(1),
+            );
+            let v = SyntheticGratings::generate(
+                a.val_size,
+                size,
+                a.classes,
+                seed.wrapping_mul(2).wrapping_add(2),
+            );
+            (t, v, size)
+        }
+        other => bail!("unknown dataset '{other}' (choose digits, fashion-mnist or synthetic)"),
+    };
+    let size = a.image_size.unwrap_or(native);
+    Ok((train.resized(size), val.resized(size), size))
+}
+
+fn build_model(
+    pool: &Pool,
+    name: &str,
+    base_width: usize,
+    classes: usize,
+    seed: u64,
+) -> Result<ResNet> {
+    let mut config = ResNetConfig::by_name(name)?;
+    config.base_width = base_width;
+    config.num_classes = classes;
+    config.seed = seed;
+    Ok(ResNet::new(pool, config)?)
+}
+
 fn train(a: TrainArgs) -> Result<()> {
-    if a.classes < 2 {
-        bail!("--classes must be at least 2");
-    }
     let pool = pool_for(&a.memory_budget)?;
-    let mut config = ResNetConfig::by_name(&a.model)?;
-    config.base_width = a.base_width;
-    config.num_classes = a.classes;
-    config.seed = a.seed;
-    let mut model = ResNet::new(&pool, config)?;
-    model.check_image_size(a.image_size, a.image_size)?;
+    let (train_set, val_set, size) = load_data(&a.data, a.seed)?;
+    let init = a.init.as_ref().map(TensorFile::open).transpose()?;
+    // The dataset decides the classes; without --reset-head they must match --init's fc.
+    let classes = train_set.classes;
+    if let (Some(f), false) = (&init, a.reset_head)
+        && let Some(rows) = fc_rows(f)
+        && rows != classes
+    {
+        bail!(
+            "{}: fc has {rows} classes but the dataset has {classes}; pass --reset-head to fine-tune with a new head",
+            f.path
+        );
+    }
+    let mut model = build_model(&pool, &a.model, a.base_width, classes, a.seed)?;
+    if let Some(f) = &init {
+        load_torchvision(&mut model, f, a.reset_head)?;
+    }
+    model.check_image_size(size, size)?;
     println!(
-        "training {} (base width {}, {} parameters) on synthetic gratings: {} classes, {} train / {} val images at {}x{}",
+        "training {} (base width {}, {} parameters) on {}: {} classes, {} train / {} val images at {size}x{size}",
         a.model,
         a.base_width,
         model.param_count(),
-        a.classes,
-        a.train_size,
-        a.val_size,
-        a.image_size,
-        a.image_size
+        a.data.data,
+        classes,
+        train_set.len(),
+        val_set.len(),
     );
-    let train_set = SyntheticGratings::generate(
-        a.train_size,
-        a.image_size,
-        a.classes,
-        a.seed.wrapping_mul(2).wrapping_add(1),
-    );
-    let val_set = SyntheticGratings::generate(
-        a.val_size,
-        a.image_size,
-        a.classes,
-        a.seed.wrapping_mul(2).wrapping_add(2),
-    );
-    let mut sgd = Sgd::new(a.lr, a.momentum, a.weight_decay, false);
+    let steps_per_epoch = train_set.len().div_ceil(a.batch_size.max(1));
+    let total_steps = steps_per_epoch * a.epochs;
+    let schedule = match a.schedule {
+        ScheduleKind::Constant => Schedule::Constant,
+        ScheduleKind::Step => Schedule::Step {
+            step_size: a.step_epochs * steps_per_epoch,
+            gamma: a.gamma,
+        },
+        ScheduleKind::Cosine => Schedule::Cosine {
+            total_steps,
+            min_lr: 0.0,
+        },
+    };
+    let mut lr_schedule = LrSchedule::new(schedule);
+    if a.warmup_epochs > 0 {
+        lr_schedule = lr_schedule.with_warmup(a.warmup_epochs * steps_per_epoch);
+    }
+    let mut optimizer = match a.optimizer {
+        OptimizerKind::Sgd => Optimizer::Sgd(Sgd::new(
+            a.lr,
+            a.momentum,
+            a.weight_decay.unwrap_or(5e-4),
+            a.nesterov,
+        )),
+        OptimizerKind::Adamw => Optimizer::AdamW(AdamW::with_params(
+            a.lr,
+            (0.9, 0.999),
+            1e-8,
+            a.weight_decay.unwrap_or(0.01),
+        )),
+    };
     let opts = TrainOptions {
         epochs: a.epochs,
         batch_size: a.batch_size,
         seed: a.seed,
+        shuffle: !a.no_shuffle,
         label_smoothing: a.label_smoothing,
+        base_lr: a.lr,
+        schedule: lr_schedule,
+        clip_grad_norm: a.clip_grad_norm,
+        eval_every: a.eval_every,
+        metrics_jsonl: a.metrics_jsonl.clone(),
     };
+    let start = Instant::now();
     let reports = fit(
         &mut model,
         &pool,
-        &mut sgd,
+        &mut optimizer,
         &train_set,
         &val_set,
         &opts,
         |r| {
+            let eval = r.eval.map_or(String::new(), |e| {
+                format!(
+                    ", val loss {:.4}, val top-1 {:.2}%, top-5 {:.2}%",
+                    e.loss,
+                    100.0 * e.top1,
+                    100.0 * e.top5
+                )
+            });
             println!(
-                "epoch {}: train loss {:.4}, train top-1 {:.1}%, val top-1 {:.1}%, {:.0} img/s, tracked peak {}",
+                "epoch {}: train loss {:.4}, train top-1 {:.1}%{eval}, lr {:.4}, {:.0} img/s, tracked peak {}",
                 r.epoch,
                 r.train_loss,
                 100.0 * r.train_top1,
-                100.0 * r.val_top1,
+                r.lr,
                 r.img_per_s,
                 fmt_bytes(r.memory.peak_total)
             );
         },
     )?;
+    println!("trained in {:.1} s", start.elapsed().as_secs_f64());
     if let Some(last) = reports.last() {
         print_memory(&last.memory);
     }
+    if let Some(path) = &a.save_weights {
+        save_state_dict(&mut model, path)?;
+        println!("saved weights to {}", path.display());
+    }
+    Ok(())
+}
+
+fn eval(a: EvalArgs) -> Result<()> {
+    let pool = Pool::new();
+    let (_, val_set, size) = load_data(&a.data, a.seed)?;
+    let file = TensorFile::open(&a.weights)?;
+    let classes = fc_rows(&file).unwrap_or(val_set.classes);
+    let mut model = build_model(&pool, &a.model, a.base_width, classes, 0)?;
+    load_torchvision(&mut model, &file, false)?;
+    model.check_image_size(size, size)?;
+    let e = evaluate(&mut model, &pool, &val_set, a.batch_size)?;
+    println!(
+        "{} images: loss {:.4}, top-1 {:.2}%, top-5 {:.2}%",
+        val_set.len(),
+        e.loss,
+        100.0 * e.top1,
+        100.0 * e.top5
+    );
     Ok(())
 }

@@ -1,15 +1,25 @@
-//! Weights in torchvision's state_dict layout, read from safetensors.
-//! Every problem with a file becomes an [`Error::BadWeights`] naming the
-//! file and the tensor.
+//! Weights in torchvision's state_dict layout, read from and written to
+//! safetensors. Every problem with a file becomes an [`Error::BadWeights`]
+//! naming the file and the tensor; a failed write is an [`Error::Io`] naming
+//! the target.
+//!
+//! - [`TensorFile`]: a decoded safetensors file (F32 / I64 tensors).
+//! - [`load_state_dict`], [`load_torchvision`], [`fc_rows`]: into a model.
+//! - [`save_state_dict`]: out of a model, loadable by
+//!   `torchvision.models.<name>().load_state_dict(..., strict=True)`.
 
-use std::collections::{BTreeMap, BTreeSet};
+mod load;
+mod save;
+
+pub use load::{fc_rows, load_state_dict, load_torchvision};
+pub use save::save_state_dict;
+
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use safetensors::{Dtype, SafeTensors};
 
 use crate::error::{Error, Result};
-use crate::nn::{ResNet, StateSlot, WeightLayout};
-use crate::ops::conv2d::oihw_to_hwio;
 
 /// Element data of one tensor in a file.
 #[derive(Clone, Debug)]
@@ -73,8 +83,14 @@ impl TensorFile {
                         .collect(),
                 ),
                 other => {
+                    let hint = if matches!(other, Dtype::F16 | Dtype::BF16 | Dtype::F64) {
+                        " (convert it first, e.g. `{k: v.float() for k, v in sd.items()}` \
+                         for floating tensors)"
+                    } else {
+                        ""
+                    };
                     return Err(bad(format!(
-                        "tensor '{name}' has dtype {other:?}; only F32 and I64 are supported"
+                        "tensor '{name}' has dtype {other:?}; only F32 and I64 are supported{hint}"
                     )));
                 }
             };
@@ -152,94 +168,4 @@ pub fn nhwc_to_nchw(x: &[f32], n: usize, h: usize, w: usize, c: usize) -> Vec<f3
         }
     }
     out
-}
-
-/// Loads a torchvision-layout state_dict into `model`. Names, shapes and
-/// dtypes are checked; every missing, unexpected or mis-shaped entry is
-/// listed in one error. Keys starting with one of `ignore_prefixes` are
-/// skipped (a file may carry other tensors).
-pub fn load_state_dict(
-    model: &mut ResNet,
-    file: &TensorFile,
-    ignore_prefixes: &[&str],
-) -> Result<()> {
-    let mut problems = Vec::new();
-    let mut seen = BTreeSet::new();
-    model.visit_state(|slot| {
-        let name = slot.name().to_string();
-        seen.insert(name.clone());
-        let Some(t) = file.tensors.get(&name) else {
-            problems.push(format!("missing '{name}'"));
-            return;
-        };
-        match (slot, &t.data) {
-            (
-                StateSlot::Param {
-                    param,
-                    torch_shape,
-                    layout,
-                },
-                RawData::F32(v),
-            ) => {
-                if t.shape != torch_shape {
-                    problems.push(format!(
-                        "'{name}' has shape {:?}, expected {torch_shape:?}",
-                        t.shape
-                    ));
-                    return;
-                }
-                let values = match layout {
-                    WeightLayout::Plain => v.clone(),
-                    WeightLayout::Hwio => oihw_to_hwio(
-                        v,
-                        torch_shape[0],
-                        torch_shape[1],
-                        torch_shape[2],
-                        torch_shape[3],
-                    ),
-                };
-                param.value.f32_mut().copy_from_slice(&values);
-            }
-            (StateSlot::Buffer { data, .. }, RawData::F32(v)) => {
-                if t.shape != [data.len()] {
-                    problems.push(format!(
-                        "'{name}' has shape {:?}, expected [{}]",
-                        t.shape,
-                        data.len()
-                    ));
-                    return;
-                }
-                data.copy_from_slice(v);
-            }
-            (StateSlot::Count { value, .. }, RawData::I64(v)) => {
-                // torch saves a 0-d tensor; accept [] and [1].
-                if v.len() != 1 {
-                    problems.push(format!("'{name}' holds {} values, expected one", v.len()));
-                    return;
-                }
-                *value = v[0];
-            }
-            (StateSlot::Count { .. }, RawData::F32(_)) => {
-                problems.push(format!("'{name}' is F32, expected I64"))
-            }
-            (_, RawData::I64(_)) => problems.push(format!("'{name}' is I64, expected F32")),
-        }
-    });
-    for name in file.tensors.keys() {
-        if !seen.contains(name) && !ignore_prefixes.iter().any(|p| name.starts_with(p)) {
-            problems.push(format!("unexpected '{name}'"));
-        }
-    }
-    if problems.is_empty() {
-        Ok(())
-    } else {
-        Err(Error::BadWeights {
-            path: file.path.clone(),
-            reason: format!(
-                "does not match the model ({} problems):\n  {}",
-                problems.len(),
-                problems.join("\n  ")
-            ),
-        })
-    }
 }

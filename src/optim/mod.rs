@@ -1,13 +1,73 @@
-//! Optimizers over the model's parameters, with fp32 master weights.
+//! Optimizers over the model's parameters, with fp32 master weights, plus
+//! learning-rate schedules ([`schedule`]) and gradient-norm clipping
+//! ([`clip`]). Every update follows PyTorch's single-tensor (CPU, `foreach`
+//! off) code path, operation by operation.
+//!
+//! The learning rate of an optimizer is a public field (`lr`) and can also be
+//! set with `set_lr`; a training loop sets it once per optimizer step from
+//! [`LrSchedule::lr_at`] (not per micro-batch).
+
+pub mod adamw;
+pub mod clip;
+pub mod schedule;
+
+pub use adamw::{AdamW, adamw_update};
+pub use clip::{clip_grad_norm, clip_grad_norm_slices, grad_norm};
+pub use schedule::{LrSchedule, Schedule};
 
 use crate::error::Result;
 use crate::memory::{Category, Pool, Tag};
 use crate::nn::ResNet;
 use crate::tensor::Tensor;
 
+/// Widens a hyper-parameter the way a user typed it: `0.9f32` becomes the
+/// `f64` 0.9 (what PyTorch's Python float holds), not 0.89999997615814.
+/// Used for the scalars PyTorch computes in double precision.
+pub(crate) fn widen(x: f32) -> f64 {
+    format!("{x}").parse().unwrap_or(x as f64)
+}
+
+/// One SGD update of one parameter tensor, PyTorch's exact order:
+/// `d = g + wd·w`; momentum `μ != 0`: `buf = d` when `first`, else
+/// `buf = μ·buf + d` (dampening 0), then `d = d + μ·buf` (Nesterov) or
+/// `d = buf`; finally `w -= lr·d`. `buf` is ignored (may be `None`) when
+/// `momentum == 0`.
+#[allow(clippy::too_many_arguments)]
+pub fn sgd_update(
+    w: &mut [f32],
+    g: &[f32],
+    buf: Option<&mut [f32]>,
+    first: bool,
+    lr: f32,
+    momentum: f32,
+    weight_decay: f32,
+    nesterov: bool,
+) {
+    assert_eq!(w.len(), g.len(), "sgd_update: weight/grad length");
+    let (mu, wd) = (momentum, weight_decay);
+    match buf {
+        Some(buf) if mu != 0.0 => {
+            assert_eq!(buf.len(), w.len(), "sgd_update: buffer length");
+            for ((w, &g), b) in w.iter_mut().zip(g).zip(buf.iter_mut()) {
+                let d = g + wd * *w;
+                *b = if first { d } else { mu * *b + d };
+                let step = if nesterov { d + mu * *b } else { *b };
+                *w -= lr * step;
+            }
+        }
+        _ => {
+            assert!(mu == 0.0, "sgd_update: momentum needs a buffer");
+            for (w, &g) in w.iter_mut().zip(g) {
+                *w -= lr * (g + wd * *w);
+            }
+        }
+    }
+}
+
 /// SGD with PyTorch's exact update:
 /// `g = grad + wd·p`; `buf = g` on the first step, else `buf = μ·buf + g`
 /// (dampening 0); `g = g + μ·buf` if Nesterov else `buf`; `p -= lr·g`.
+/// Momentum buffers come from the pool as [`Category::Optimizer`].
 pub struct Sgd {
     pub lr: f32,
     pub momentum: f32,
@@ -25,6 +85,11 @@ impl Sgd {
             nesterov,
             buffers: Vec::new(),
         }
+    }
+
+    /// Learning rate of the next [`step`](Self::step).
+    pub fn set_lr(&mut self, lr: f32) {
+        self.lr = lr;
     }
 
     pub fn step(&mut self, pool: &Pool, model: &mut ResNet) -> Result<()> {
@@ -50,23 +115,69 @@ impl Sgd {
                     }
                 }
             }
-            let grad = p.grad.f32();
-            let value = p.value.f32_mut();
-            if mu == 0.0 {
-                for (w, &g) in value.iter_mut().zip(grad) {
-                    *w -= lr * (g + wd * *w);
-                }
+            let buf = if mu == 0.0 {
+                None
             } else {
-                let buf = buffers[i].f32_mut();
-                for ((w, &g), b) in value.iter_mut().zip(grad).zip(buf.iter_mut()) {
-                    let g = g + wd * *w;
-                    *b = if first { g } else { mu * *b + g };
-                    let step = if nesterov { g + mu * *b } else { *b };
-                    *w -= lr * step;
-                }
-            }
+                Some(buffers[i].f32_mut())
+            };
+            sgd_update(
+                p.value.f32_mut(),
+                p.grad.f32(),
+                buf,
+                first,
+                lr,
+                mu,
+                wd,
+                nesterov,
+            );
             i += 1;
         });
         err.map_or(Ok(()), Err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn widen_keeps_decimal_value() {
+        assert_eq!(widen(0.9), 0.9f64);
+        assert_eq!(widen(1e-8), 1e-8f64);
+        assert_eq!(widen(0.999), 0.999f64);
+    }
+
+    #[test]
+    fn sgd_update_momentum_by_hand() {
+        let mut w = [1.0f32, -2.0];
+        let mut b = [0.0f32; 2];
+        sgd_update(
+            &mut w,
+            &[0.5, 1.0],
+            Some(&mut b),
+            true,
+            0.1,
+            0.9,
+            0.0,
+            false,
+        );
+        assert_eq!(b, [0.5, 1.0]);
+        assert!((w[0] - 0.95).abs() < 1e-7 && (w[1] + 2.1).abs() < 1e-7);
+        sgd_update(
+            &mut w,
+            &[0.5, 1.0],
+            Some(&mut b),
+            false,
+            0.1,
+            0.9,
+            0.0,
+            true,
+        );
+        // buf = 0.9*0.5+0.5 = 0.95; step = 0.5 + 0.9*0.95 = 1.355
+        assert!((b[0] - 0.95).abs() < 1e-7);
+        assert!((w[0] - (0.95 - 0.1355)).abs() < 1e-6, "{}", w[0]);
+        let mut w = [1.0f32];
+        sgd_update(&mut w, &[1.0], None, false, 0.5, 0.0, 0.1, false);
+        assert!((w[0] - (1.0 - 0.5 * 1.1)).abs() < 1e-7);
     }
 }

@@ -1,22 +1,65 @@
-//! The training loop over an in-memory dataset: shuffled mini-batches, SGD,
-//! evaluation after every epoch. (Accumulation, schedules, real data and
-//! metrics files come with the training issue.)
+//! The training loop over an in-memory dataset: shuffled mini-batches, the
+//! optimizer with its LR schedule (advanced once per optimizer step),
+//! optional gradient clipping, evaluation (loss, top-1, top-5), one JSON
+//! line per step and per evaluation in a metrics file.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::PathBuf;
 
 use rand::{SeedableRng, rngs::ChaCha8Rng, seq::SliceRandom};
 
 use crate::data::InMemoryDataset;
 use crate::error::{Error, Result};
-use crate::exec::{LossOptions, Plan, argmax_rows, forward_backward, forward_eval};
+use crate::exec::{LossOptions, Plan, forward_backward, forward_eval};
 use crate::memory::{Category, MemoryStats, Pool, Tag};
 use crate::nn::ResNet;
-use crate::optim::Sgd;
+use crate::ops::cross_entropy::cross_entropy_forward_backward;
+use crate::optim::{AdamW, LrSchedule, Sgd, clip_grad_norm};
 use crate::tensor::Tensor;
+
+/// The optimizers a run can use.
+pub enum Optimizer {
+    Sgd(Sgd),
+    AdamW(AdamW),
+}
+
+impl Optimizer {
+    fn set_lr(&mut self, lr: f32) {
+        match self {
+            Optimizer::Sgd(o) => o.set_lr(lr),
+            Optimizer::AdamW(o) => o.set_lr(lr),
+        }
+    }
+
+    fn step(&mut self, pool: &Pool, model: &mut ResNet) -> Result<()> {
+        match self {
+            Optimizer::Sgd(o) => o.step(pool, model),
+            Optimizer::AdamW(o) => o.step(pool, model),
+        }
+    }
+}
 
 pub struct TrainOptions {
     pub epochs: usize,
     pub batch_size: usize,
     pub seed: u64,
+    pub shuffle: bool,
     pub label_smoothing: f32,
+    pub base_lr: f32,
+    pub schedule: LrSchedule,
+    pub clip_grad_norm: Option<f32>,
+    /// Evaluate every this many epochs (and always after the last).
+    pub eval_every: usize,
+    pub metrics_jsonl: Option<PathBuf>,
+}
+
+/// Loss and accuracy on a validation set.
+#[derive(Clone, Copy, Debug)]
+pub struct EvalReport {
+    pub loss: f64,
+    pub top1: f64,
+    pub top5: f64,
 }
 
 /// One epoch's summary.
@@ -25,7 +68,8 @@ pub struct EpochReport {
     pub epoch: usize,
     pub train_loss: f64,
     pub train_top1: f64,
-    pub val_top1: f64,
+    pub lr: f32,
+    pub eval: Option<EvalReport>,
     pub img_per_s: f64,
     pub memory: MemoryStats,
 }
@@ -43,29 +87,74 @@ fn gather(pool: &Pool, data: &InMemoryDataset, idx: &[usize]) -> Result<(Tensor,
     Ok((t, idx.iter().map(|&i| data.labels[i]).collect()))
 }
 
-/// Top-1 accuracy with running BN statistics.
+/// Whether `label` is among the `k` largest logits of `row` (ties count
+/// against the label, so a constant row is never "correct").
+fn in_top_k(row: &[f32], label: usize, k: usize) -> bool {
+    let v = row[label];
+    row.iter()
+        .enumerate()
+        .filter(|&(i, &x)| x > v || (x == v && i < label))
+        .count()
+        < k
+}
+
+/// Mean loss, top-1 and top-5 with running BN statistics.
 pub fn evaluate(
     model: &mut ResNet,
     pool: &Pool,
     data: &InMemoryDataset,
     batch_size: usize,
-) -> Result<f64> {
-    let mut correct = 0;
+) -> Result<EvalReport> {
+    let classes = model.config.num_classes;
+    let (mut loss, mut top1, mut top5) = (0.0, 0, 0);
     let order: Vec<usize> = (0..data.len()).collect();
-    for idx in order.chunks(batch_size) {
+    for idx in order.chunks(batch_size.max(1)) {
         let (images, labels) = gather(pool, data, idx)?;
         let logits = forward_eval(model, pool, images)?;
-        let pred = argmax_rows(logits.f32(), model.config.num_classes);
-        correct += pred.iter().zip(&labels).filter(|(p, l)| p == l).count();
+        let mut scratch = pool.empty_f32(
+            logits.dims(),
+            Category::Workspace,
+            Tag::fixed("eval.d_logits"),
+        )?;
+        loss +=
+            cross_entropy_forward_backward(scratch.f32_mut(), logits.f32(), &labels, classes, 0.0)?
+                * idx.len() as f64;
+        for (row, &l) in logits.f32().chunks_exact(classes).zip(&labels) {
+            top1 += in_top_k(row, l, 1) as usize;
+            top5 += in_top_k(row, l, 5) as usize;
+        }
     }
-    Ok(correct as f64 / data.len().max(1) as f64)
+    let n = data.len().max(1) as f64;
+    Ok(EvalReport {
+        loss: loss / n,
+        top1: top1 as f64 / n,
+        top5: top5 as f64 / n,
+    })
 }
 
-/// Trains `model` and calls `on_epoch` after each epoch.
+/// A JSON number, or null for NaN/inf (which JSON cannot hold).
+fn num(v: f64) -> String {
+    if v.is_finite() {
+        format!("{v}")
+    } else {
+        "null".into()
+    }
+}
+
+fn memory_fields(m: &MemoryStats) -> String {
+    let mut s = format!("\"peak_bytes\":{}", m.peak_total);
+    for c in Category::ALL {
+        s += &format!(",\"peak_{}_bytes\":{}", c.name(), m.peak.get(c));
+    }
+    s
+}
+
+/// Trains `model`; calls `on_epoch` after each epoch.
+#[allow(clippy::too_many_arguments)]
 pub fn fit(
     model: &mut ResNet,
     pool: &Pool,
-    sgd: &mut Sgd,
+    optimizer: &mut Optimizer,
     train: &InMemoryDataset,
     val: &InMemoryDataset,
     opts: &TrainOptions,
@@ -77,16 +166,43 @@ pub fn fit(
     if train.is_empty() {
         return Err(Error::invalid("train", "the training set is empty"));
     }
+    let mut metrics = match &opts.metrics_jsonl {
+        Some(p) => Some(BufWriter::new(
+            File::options()
+                .create(true)
+                .append(true)
+                .open(p)
+                .map_err(|e| Error::Io {
+                    path: p.display().to_string(),
+                    reason: e.to_string(),
+                })?,
+        )),
+        None => None,
+    };
+    let metrics_err = |e: std::io::Error| Error::Io {
+        path: opts
+            .metrics_jsonl
+            .as_ref()
+            .map(|p| p.display().to_string())
+            .unwrap_or_default(),
+        reason: e.to_string(),
+    };
     let plan = Plan::keep_all(model);
     let mut rng = ChaCha8Rng::seed_from_u64(opts.seed);
     let mut reports = Vec::new();
     let mut step = 0;
     for epoch in 1..=opts.epochs {
         let mut order: Vec<usize> = (0..train.len()).collect();
-        order.shuffle(&mut rng);
+        if opts.shuffle {
+            order.shuffle(&mut rng);
+        }
         let start = std::time::Instant::now();
         let (mut loss_sum, mut correct, mut seen) = (0.0, 0, 0);
+        let mut lr = opts.base_lr;
         for idx in order.chunks(opts.batch_size) {
+            let t0 = std::time::Instant::now();
+            lr = opts.schedule.lr_at(opts.base_lr, step);
+            optimizer.set_lr(lr);
             let (images, labels) = gather(pool, train, idx)?;
             model.zero_grad();
             let out = forward_backward(
@@ -106,17 +222,53 @@ pub fn fit(
                     loss: out.loss as f32,
                 });
             }
-            sgd.step(pool, model)?;
+            let grad_norm = opts.clip_grad_norm.map(|max| clip_grad_norm(model, max));
+            optimizer.step(pool, model)?;
             loss_sum += out.loss * idx.len() as f64;
             correct += out.correct;
             seen += idx.len();
+            if let Some(w) = metrics.as_mut() {
+                let secs = t0.elapsed().as_secs_f64();
+                let gn = grad_norm.map_or("null".to_string(), |g| num(g as f64));
+                writeln!(
+                    w,
+                    "{{\"step\":{step},\"epoch\":{epoch},\"loss\":{},\"lr\":{},\"img_per_s\":{},\"grad_norm\":{gn},{}}}",
+                    num(out.loss),
+                    num(lr as f64),
+                    num(idx.len() as f64 / secs),
+                    memory_fields(&pool.stats())
+                )
+                .map_err(metrics_err)?;
+            }
         }
         let secs = start.elapsed().as_secs_f64();
+        let eval = if (epoch % opts.eval_every.max(1) == 0 || epoch == opts.epochs)
+            && !val.is_empty()
+        {
+            let e = evaluate(model, pool, val, opts.batch_size)?;
+            if let Some(w) = metrics.as_mut() {
+                writeln!(
+                    w,
+                    "{{\"epoch\":{epoch},\"step\":{step},\"val_loss\":{},\"val_top1\":{},\"val_top5\":{}}}",
+                    num(e.loss),
+                    num(e.top1),
+                    num(e.top5)
+                )
+                .map_err(metrics_err)?;
+            }
+            Some(e)
+        } else {
+            None
+        };
+        if let Some(w) = metrics.as_mut() {
+            w.flush().map_err(metrics_err)?;
+        }
         let report = EpochReport {
             epoch,
             train_loss: loss_sum / seen as f64,
             train_top1: correct as f64 / seen as f64,
-            val_top1: evaluate(model, pool, val, opts.batch_size)?,
+            lr,
+            eval,
             img_per_s: seen as f64 / secs,
             memory: pool.stats(),
         };
@@ -124,4 +276,20 @@ pub fn fit(
         reports.push(report);
     }
     Ok(reports)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_k_counts_ties_against_the_label() {
+        let row = [0.1, 0.5, 0.5, 0.2];
+        assert!(in_top_k(&row, 1, 1));
+        assert!(!in_top_k(&row, 2, 1)); // tied with an earlier class
+        assert!(in_top_k(&row, 2, 2));
+        assert!(!in_top_k(&row, 0, 3));
+        assert!(in_top_k(&row, 0, 4));
+        assert!(!in_top_k(&[1.0; 6], 3, 3));
+    }
 }

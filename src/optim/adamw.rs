@@ -1,0 +1,229 @@
+//! AdamW (`torch.optim.AdamW`, decoupled weight decay, `amsgrad=False`).
+
+use super::widen;
+use crate::error::Result;
+use crate::memory::{Category, Pool, Tag};
+use crate::nn::ResNet;
+use crate::tensor::Tensor;
+
+/// One AdamW update of one parameter tensor at step `t` (1-based, already
+/// incremented), in the order of PyTorch's `_single_tensor_adam`:
+///
+/// ```text
+/// w *= 1 - lr·wd                          (decoupled decay, first)
+/// m  = lerp(m, g, 1-β1)                    (= β1·m + (1-β1)·g)
+/// v  = β2·v + (1-β2)·g·g
+/// bc1 = 1 - β1^t,  bc2 = 1 - β2^t          (f64, like PyTorch's Python floats)
+/// denom = sqrt(v) / sqrt(bc2) + eps
+/// w += -(lr / bc1) · m / denom
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn adamw_update(
+    w: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    t: u64,
+    lr: f32,
+    beta1: f32,
+    beta2: f32,
+    eps: f32,
+    weight_decay: f32,
+) {
+    assert!(t >= 1, "adamw_update: step count starts at 1");
+    let n = w.len();
+    assert!(
+        g.len() == n && m.len() == n && v.len() == n,
+        "adamw_update: lengths"
+    );
+    let (lr64, b1, b2) = (widen(lr), widen(beta1), widen(beta2));
+    let decay = (1.0 - lr64 * widen(weight_decay)) as f32;
+    let w1 = (1.0 - b1) as f32; // lerp weight
+    let w2 = (1.0 - b2) as f32;
+    let b2f = beta2;
+    let ti = i32::try_from(t).unwrap_or(i32::MAX);
+    let bc1 = 1.0 - b1.powi(ti);
+    let bc2 = 1.0 - b2.powi(ti);
+    let neg_step = (-(lr64 / bc1)) as f32;
+    let bc2_sqrt = bc2.sqrt() as f32;
+    let apply_decay = weight_decay != 0.0;
+    for i in 0..n {
+        let gi = g[i];
+        let mut wi = w[i];
+        if apply_decay {
+            wi *= decay;
+        }
+        // torch lerp: weight < 0.5 ? self + weight*(end-self) : end - (end-self)*(1-weight)
+        let mi = m[i];
+        let mi = if w1.abs() < 0.5 {
+            mi + w1 * (gi - mi)
+        } else {
+            gi - (gi - mi) * (1.0 - w1)
+        };
+        let vi = v[i] * b2f + w2 * gi * gi;
+        let denom = vi.sqrt() / bc2_sqrt + eps;
+        wi += neg_step * mi / denom;
+        m[i] = mi;
+        v[i] = vi;
+        w[i] = wi;
+    }
+}
+
+/// `torch.optim.AdamW` over every model parameter (visit order). The first
+/// and second moments are allocated from the pool as [`Category::Optimizer`]
+/// on the first step (2× the parameter bytes).
+pub struct AdamW {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    t: u64,
+    exp_avg: Vec<Tensor>,
+    exp_avg_sq: Vec<Tensor>,
+}
+
+impl AdamW {
+    /// PyTorch's defaults: betas (0.9, 0.999), eps 1e-8, weight_decay 0.01.
+    pub fn new(lr: f32) -> Self {
+        Self::with_params(lr, (0.9, 0.999), 1e-8, 0.01)
+    }
+
+    pub fn with_params(lr: f32, betas: (f32, f32), eps: f32, weight_decay: f32) -> Self {
+        AdamW {
+            lr,
+            beta1: betas.0,
+            beta2: betas.1,
+            eps,
+            weight_decay,
+            t: 0,
+            exp_avg: Vec::new(),
+            exp_avg_sq: Vec::new(),
+        }
+    }
+
+    /// Learning rate of the next [`step`](Self::step).
+    pub fn set_lr(&mut self, lr: f32) {
+        self.lr = lr;
+    }
+
+    /// Optimizer steps taken so far (PyTorch's `state['step']`).
+    pub fn steps_taken(&self) -> u64 {
+        self.t
+    }
+
+    pub fn step(&mut self, pool: &Pool, model: &mut ResNet) -> Result<()> {
+        let first = self.exp_avg.is_empty();
+        let mut err = None;
+        let mut i = 0;
+        let t = self.t + 1;
+        let (lr, b1, b2, eps, wd) = (self.lr, self.beta1, self.beta2, self.eps, self.weight_decay);
+        let (ms, vs) = (&mut self.exp_avg, &mut self.exp_avg_sq);
+        model.visit_params(|p| {
+            if err.is_some() {
+                return;
+            }
+            if first {
+                let dims = p.value.dims();
+                let alloc = |tag| pool.zeros_f32(dims, Category::Optimizer, Tag::fixed(tag));
+                match (alloc("adamw.exp_avg"), alloc("adamw.exp_avg_sq")) {
+                    (Ok(m), Ok(v)) => {
+                        ms.push(m);
+                        vs.push(v);
+                    }
+                    (Err(e), _) | (_, Err(e)) => {
+                        err = Some(e);
+                        return;
+                    }
+                }
+            }
+            adamw_update(
+                p.value.f32_mut(),
+                p.grad.f32(),
+                ms[i].f32_mut(),
+                vs[i].f32_mut(),
+                t,
+                lr,
+                b1,
+                b2,
+                eps,
+                wd,
+            );
+            i += 1;
+        });
+        if let Some(e) = err {
+            // A failed first step leaves no partial state behind.
+            if first {
+                self.exp_avg.clear();
+                self.exp_avg_sq.clear();
+            }
+            return Err(e);
+        }
+        self.t = t;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nn::ResNetConfig;
+
+    #[test]
+    fn first_step_moves_by_about_lr() {
+        // Step 1: mhat = g, vhat = g², so the update is lr·sign(g) (eps aside).
+        let mut w = [1.0f32, -1.0, 0.5];
+        let (mut m, mut v) = ([0.0f32; 3], [0.0f32; 3]);
+        adamw_update(
+            &mut w,
+            &[3.0, -0.2, 1e-3],
+            &mut m,
+            &mut v,
+            1,
+            0.1,
+            0.9,
+            0.999,
+            1e-8,
+            0.0,
+        );
+        for (got, want) in w.iter().zip([0.9f32, -0.9, 0.4]) {
+            assert!((got - want).abs() < 1e-5, "{got} vs {want}");
+        }
+    }
+
+    #[test]
+    fn model_step_matches_slice_update_and_uses_optimizer_pool() {
+        let pool = Pool::new();
+        let mut cfg = ResNetConfig::resnet18();
+        cfg.base_width = 4;
+        cfg.num_classes = 3;
+        let mut model = ResNet::new(&pool, cfg).unwrap();
+        let mut k = 0u32;
+        model.visit_params(|p| {
+            for g in p.grad.f32_mut() {
+                k = k.wrapping_mul(1664525).wrapping_add(1013904223);
+                *g = (k >> 8) as f32 / (1u32 << 24) as f32 - 0.5;
+            }
+        });
+        let mut expect = Vec::new();
+        model.visit_params(|p| expect.push((p.value.f32().to_vec(), p.grad.f32().to_vec())));
+        let before = pool.stats().live.get(Category::Optimizer);
+        let mut opt = AdamW::new(0.01);
+        opt.step(&pool, &mut model).unwrap();
+        opt.step(&pool, &mut model).unwrap();
+        assert_eq!(opt.steps_taken(), 2);
+        let mut bytes = 0;
+        let mut j = 0;
+        model.visit_params(|p| {
+            let (w, g) = &mut expect[j];
+            let (mut m, mut v) = (vec![0.0; w.len()], vec![0.0; w.len()]);
+            for t in 1..=2 {
+                adamw_update(w, g, &mut m, &mut v, t, 0.01, 0.9, 0.999, 1e-8, 0.01);
+            }
+            assert_eq!(p.value.f32(), &w[..], "{}", p.name);
+            bytes += 2 * 4 * w.len();
+            j += 1;
+        });
+        assert_eq!(pool.stats().live.get(Category::Optimizer) - before, bytes);
+    }
+}

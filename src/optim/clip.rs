@@ -1,0 +1,65 @@
+//! Gradient-norm clipping with `torch.nn.utils.clip_grad_norm_` semantics
+//! (L2 norm, `error_if_nonfinite=False`).
+
+use crate::nn::ResNet;
+
+/// Total L2 norm of all gradients: squares summed in f64, then the square
+/// root is rounded to f32.
+pub fn grad_norm(model: &mut ResNet) -> f32 {
+    let mut sum = 0.0f64;
+    model.visit_params(|p| sum += sum_sq(p.grad.f32()));
+    sum.sqrt() as f32
+}
+
+/// The factor the gradients are multiplied by: `min(max_norm/(total+1e-6), 1)`
+/// computed in f32 like PyTorch's tensor arithmetic (NaN stays NaN).
+fn clip_coef(max_norm: f32, total_norm: f32) -> f32 {
+    let coef = max_norm / (total_norm + 1e-6);
+    if coef > 1.0 { 1.0 } else { coef }
+}
+
+fn sum_sq(g: &[f32]) -> f64 {
+    g.iter().map(|&x| f64::from(x) * f64::from(x)).sum()
+}
+
+/// `clip_grad_norm_(model.parameters(), max_norm)`: computes the total L2
+/// norm of every parameter gradient, scales all gradients by
+/// `min(max_norm / (total_norm + 1e-6), 1)` and returns the total norm
+/// BEFORE clipping. Call it after the last micro-batch's backward and
+/// before the optimizer step.
+pub fn clip_grad_norm(model: &mut ResNet, max_norm: f32) -> f32 {
+    let total = grad_norm(model);
+    let c = clip_coef(max_norm, total);
+    if c != 1.0 {
+        model.visit_params(|p| p.grad.f32_mut().iter_mut().for_each(|g| *g *= c));
+    }
+    total
+}
+
+/// [`clip_grad_norm`] over raw gradient slices.
+pub fn clip_grad_norm_slices(grads: &mut [&mut [f32]], max_norm: f32) -> f32 {
+    let total = grads.iter().map(|g| sum_sq(g)).sum::<f64>().sqrt() as f32;
+    let c = clip_coef(max_norm, total);
+    if c != 1.0 {
+        for g in grads.iter_mut() {
+            g.iter_mut().for_each(|x| *x *= c);
+        }
+    }
+    total
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clips_only_above_max_norm() {
+        let (mut a, mut b) = (vec![3.0f32], vec![4.0f32]);
+        let n = clip_grad_norm_slices(&mut [&mut a, &mut b], 1.0);
+        assert_eq!(n, 5.0);
+        assert!((a[0] - 0.6).abs() < 1e-6 && (b[0] - 0.8).abs() < 1e-6);
+        let n = clip_grad_norm_slices(&mut [&mut a, &mut b], 10.0);
+        assert!((n - 1.0).abs() < 1e-6);
+        assert!((a[0] - 0.6).abs() < 1e-6, "unchanged below max_norm");
+    }
+}
