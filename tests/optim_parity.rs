@@ -5,8 +5,7 @@
 use memfit::exec::{LossOptions, Plan, forward_backward};
 use memfit::io::{TensorFile, load_state_dict, nchw_to_nhwc};
 use memfit::memory::{Category, Pool, Tag};
-use memfit::nn::{BlockKind, ResNet, ResNetConfig, StateSlot, WeightLayout};
-use memfit::ops::conv2d::hwio_to_oihw;
+use memfit::nn::{BlockKind, ResNet, ResNetConfig, StateSlot};
 use memfit::optim::{
     AdamW, LrSchedule, Schedule, Sgd, adamw_update, clip_grad_norm, clip_grad_norm_slices,
     grad_norm,
@@ -122,16 +121,7 @@ fn two_sgd_steps_on_tiny_resnet_match_pytorch() {
             torch_shape,
             layout,
         } => {
-            let got = match layout {
-                WeightLayout::Plain => param.value.f32().to_vec(),
-                WeightLayout::Hwio => hwio_to_oihw(
-                    param.value.f32(),
-                    torch_shape[0],
-                    torch_shape[1],
-                    torch_shape[2],
-                    torch_shape[3],
-                ),
-            };
+            let got = layout.to_torch(param.value.f32(), &torch_shape);
             let key = format!("after.{}", param.name);
             let (shape, want) = f.f32(&key).unwrap();
             assert_eq!(shape, &torch_shape[..], "{key} shape");

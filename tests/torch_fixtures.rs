@@ -5,7 +5,7 @@
 use memfit::exec::{LossOptions, Plan, forward_backward};
 use memfit::io::{TensorFile, load_state_dict, nchw_to_nhwc, nhwc_to_nchw};
 use memfit::memory::{Category, Pool, Tag};
-use memfit::nn::{BatchNorm, BlockKind, Mode, ResNet, ResNetConfig, StateSlot, WeightLayout};
+use memfit::nn::{BatchNorm, BlockKind, Mode, ResNet, ResNetConfig, StateSlot};
 use memfit::ops::conv2d::{ConvGeom, conv2d_backward, conv2d_forward, hwio_to_oihw, oihw_to_hwio};
 use memfit::ops::cross_entropy::cross_entropy_forward_backward;
 use memfit::ops::maxpool::{PoolGeom, maxpool_backward, maxpool_forward};
@@ -275,16 +275,7 @@ fn tiny_resnet_step(name: &str) {
             torch_shape,
             layout,
         } => {
-            let got = match layout {
-                WeightLayout::Plain => param.grad.f32().to_vec(),
-                WeightLayout::Hwio => hwio_to_oihw(
-                    param.grad.f32(),
-                    torch_shape[0],
-                    torch_shape[1],
-                    torch_shape[2],
-                    torch_shape[3],
-                ),
-            };
+            let got = layout.to_torch(param.grad.f32(), &torch_shape);
             let want = f.f32(&format!("grad.{}", param.name)).unwrap().1;
             let d = check(&format!("grad.{}", param.name), &got, want, 1e-6, 2e-4);
             println!("  grad.{:<32} max diff {d:.2e}", param.name);

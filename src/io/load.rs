@@ -4,8 +4,7 @@ use std::collections::BTreeSet;
 
 use crate::error::{Error, Result};
 use crate::io::{RawData, RawTensor, TensorFile};
-use crate::nn::{ResNet, StateSlot, WeightLayout};
-use crate::ops::conv2d::oihw_to_hwio;
+use crate::nn::{ResNet, StateSlot};
 
 /// How many problems one error lists before summarising the rest.
 const MAX_LISTED: usize = 20;
@@ -118,16 +117,10 @@ fn copy_into(slot: StateSlot<'_>, t: &RawTensor) {
                 layout,
             },
             RawData::F32(v),
-        ) => match layout {
-            WeightLayout::Plain => param.value.f32_mut().copy_from_slice(v),
-            WeightLayout::Hwio => param.value.f32_mut().copy_from_slice(&oihw_to_hwio(
-                v,
-                torch_shape[0],
-                torch_shape[1],
-                torch_shape[2],
-                torch_shape[3],
-            )),
-        },
+        ) => param
+            .value
+            .f32_mut()
+            .copy_from_slice(&layout.from_torch(v, &torch_shape)),
         (StateSlot::Buffer { data, .. }, RawData::F32(v)) => data.copy_from_slice(v),
         (StateSlot::Count { value, .. }, RawData::I64(v)) => *value = v[0],
         _ => unreachable!("checked by check_slot"),

@@ -9,8 +9,7 @@ use std::path::{Path, PathBuf};
 use safetensors::{Dtype, View};
 
 use crate::error::{Error, Result};
-use crate::nn::{ResNet, StateSlot, WeightLayout};
-use crate::ops::conv2d::hwio_to_oihw;
+use crate::nn::{ResNet, StateSlot};
 
 /// One tensor ready to be written: little-endian bytes in PyTorch layout.
 struct Entry {
@@ -53,16 +52,7 @@ fn state_entries(model: &mut ResNet) -> Vec<(String, Entry)> {
                 layout,
             } => {
                 let v = param.value.f32();
-                let bytes = match layout {
-                    WeightLayout::Plain => f32_bytes(v),
-                    WeightLayout::Hwio => f32_bytes(&hwio_to_oihw(
-                        v,
-                        torch_shape[0],
-                        torch_shape[1],
-                        torch_shape[2],
-                        torch_shape[3],
-                    )),
-                };
+                let bytes = f32_bytes(&layout.to_torch(v, &torch_shape));
                 Entry {
                     dtype: Dtype::F32,
                     shape: torch_shape,

@@ -272,6 +272,36 @@ pub enum WeightLayout {
     Hwio,
 }
 
+impl WeightLayout {
+    /// `data` (stored in this layout) in PyTorch's element order for `torch_shape`.
+    pub fn to_torch(self, data: &[f32], torch_shape: &[usize]) -> Vec<f32> {
+        match self {
+            WeightLayout::Plain => data.to_vec(),
+            WeightLayout::Hwio => crate::ops::conv2d::hwio_to_oihw(
+                data,
+                torch_shape[0],
+                torch_shape[1],
+                torch_shape[2],
+                torch_shape[3],
+            ),
+        }
+    }
+
+    /// PyTorch-ordered `data` for `torch_shape`, in this layout.
+    pub fn from_torch(self, data: &[f32], torch_shape: &[usize]) -> Vec<f32> {
+        match self {
+            WeightLayout::Plain => data.to_vec(),
+            WeightLayout::Hwio => crate::ops::conv2d::oihw_to_hwio(
+                data,
+                torch_shape[0],
+                torch_shape[1],
+                torch_shape[2],
+                torch_shape[3],
+            ),
+        }
+    }
+}
+
 /// One entry of the torchvision state_dict, borrowed from the model.
 pub enum StateSlot<'a> {
     Param {
