@@ -20,6 +20,18 @@ pub enum Error {
     // === Memory ===
     #[error("{0}")]
     OutOfBudget(Box<BudgetReport>),
+    #[error(
+        "memory budget {} is too small: the smallest plan needs {} (micro-batch {micro_batch}, every stage recomputed as far as possible), of which {} are parameters, gradients and optimizer state",
+        crate::memory::fmt_bytes(*budget),
+        crate::memory::fmt_bytes(*needed),
+        crate::memory::fmt_bytes(*persistent)
+    )]
+    BudgetTooSmall {
+        budget: usize,
+        needed: usize,
+        micro_batch: usize,
+        persistent: usize,
+    },
 
     // === Input files ===
     #[error("{path}: {reason}")]

@@ -15,6 +15,7 @@ pub mod memory;
 pub mod nn;
 pub mod ops;
 pub mod optim;
+pub mod plan;
 pub mod tensor;
 pub mod train;
 

@@ -438,6 +438,8 @@ fn train(a: TrainArgs) -> Result<()> {
     let opts = TrainOptions {
         epochs: a.epochs,
         batch_size: a.batch_size,
+        micro_batch: None,
+        plan: None,
         seed: a.seed,
         shuffle: !a.no_shuffle,
         label_smoothing: a.label_smoothing,

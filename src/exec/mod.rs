@@ -1,33 +1,127 @@
 //! Runs the stage chain forward and backward for one batch under a [`Plan`]
 //! and accumulates parameter gradients into the model's `grad` tensors.
 //!
-//! The plan has one entry per stage so recompute strategies (checkpointed
-//! segments, selective recompute) slot in without changing the loop's shape;
-//! today every stage keeps what its backward needs.
+//! A plan cuts the chain into segments. A kept segment stores what each
+//! stage's backward needs; a recomputed segment stores only its input (the
+//! checkpoint) and, when backward reaches it, replays its forward in
+//! [`Mode::Recompute`] (same batch statistics and outputs, running stats
+//! untouched) and then runs the stages' backward as usual. Kernels are
+//! deterministic, so gradients are bit-identical whatever the plan.
+
+use std::fmt;
 
 use crate::error::{Error, Result};
 use crate::memory::{Category, Pool, Tag};
 use crate::nn::{Mode, ResNet, Saved};
-use crate::ops::cross_entropy::cross_entropy_forward_backward;
+use crate::ops::cross_entropy::cross_entropy_forward_backward_over;
 use crate::tensor::Tensor;
 
-/// What to do with one stage's saved tensors.
+/// A run of consecutive stages `start..end` and what happens to what they save.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StagePlan {
-    /// Keep everything the backward needs from the forward.
-    Keep,
+pub struct Segment {
+    pub start: usize,
+    pub end: usize,
+    /// Keep only the input; replay the forward in backward.
+    pub recompute: bool,
 }
 
+/// Segments covering the chain in order.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Plan {
-    pub stages: Vec<StagePlan>,
+    pub segments: Vec<Segment>,
 }
 
 impl Plan {
+    /// One kept segment: everything saved, nothing recomputed.
     pub fn keep_all(model: &ResNet) -> Self {
+        Self::keep_all_len(model.stages.len())
+    }
+
+    /// [`Plan::keep_all`] for a chain of `stages` stages.
+    pub fn keep_all_len(stages: usize) -> Self {
         Plan {
-            stages: vec![StagePlan::Keep; model.stages.len()],
+            segments: vec![Segment {
+                start: 0,
+                end: stages,
+                recompute: false,
+            }],
         }
+    }
+
+    /// Builds a plan from per-stage flags: consecutive kept stages merge;
+    /// `segment_starts[i]` marks where a recomputed segment begins.
+    pub fn from_flags(recompute: &[bool], segment_starts: &[bool]) -> Self {
+        let mut segments: Vec<Segment> = Vec::new();
+        for (i, &r) in recompute.iter().enumerate() {
+            let extend = match segments.last() {
+                Some(last) => last.recompute == r && !(r && segment_starts[i]),
+                None => false,
+            };
+            if extend {
+                segments.last_mut().expect("checked").end = i + 1;
+            } else {
+                segments.push(Segment {
+                    start: i,
+                    end: i + 1,
+                    recompute: r,
+                });
+            }
+        }
+        Plan { segments }
+    }
+
+    /// Whether stage `i` is recomputed.
+    pub fn recomputes(&self, i: usize) -> bool {
+        self.segments
+            .iter()
+            .any(|s| s.recompute && (s.start..s.end).contains(&i))
+    }
+
+    /// Number of recomputed segments (checkpoints kept).
+    pub fn checkpoints(&self) -> usize {
+        self.segments.iter().filter(|s| s.recompute).count()
+    }
+
+    /// Checks the plan covers `stages` stages in order and never recomputes
+    /// the head (which keeps no input to replay from).
+    pub fn validate(&self, stages: usize) -> Result<()> {
+        let mut next = 0;
+        for s in &self.segments {
+            if s.start != next || s.end <= s.start {
+                return Err(Error::invalid(
+                    "plan",
+                    format!("segments must cover the chain in order, got {self}"),
+                ));
+            }
+            next = s.end;
+        }
+        if next != stages {
+            return Err(Error::invalid(
+                "plan",
+                format!("plan covers {next} stages, the model has {stages}"),
+            ));
+        }
+        if self.recomputes(stages - 1) {
+            return Err(Error::invalid(
+                "plan",
+                "the head cannot be recomputed (it keeps only pooled features)",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// `keep[0..17] recompute[17..20]` style, stage indices.
+impl fmt::Display for Plan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, s) in self.segments.iter().enumerate() {
+            if i > 0 {
+                write!(f, " ")?;
+            }
+            let kind = if s.recompute { "recompute" } else { "keep" };
+            write!(f, "{kind}[{}..{}]", s.start, s.end)?;
+        }
+        Ok(())
     }
 }
 
@@ -44,6 +138,9 @@ pub struct StepOutput {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct LossOptions {
     pub label_smoothing: f32,
+    /// Samples in the whole accumulation window this batch belongs to (the
+    /// gradient is of the window's mean loss); `None` = this batch alone.
+    pub window_samples: Option<usize>,
 }
 
 /// Index of the largest logit of each row.
@@ -58,6 +155,16 @@ pub fn argmax_rows(logits: &[f32], classes: usize) -> Vec<usize> {
         .collect()
 }
 
+/// What the forward left for the backward, one entry per segment.
+enum Tape {
+    Kept(Vec<Saved>),
+    Checkpoint(Tensor),
+}
+
+fn saved_or_err(s: Option<Saved>) -> Result<Saved> {
+    s.ok_or_else(|| Error::invalid("exec", "training forward returned no saved state"))
+}
+
 /// Forward and backward of one batch: `images` (n, h, w, 3) is consumed,
 /// gradients accumulate into the parameters' `grad`.
 pub fn forward_backward(
@@ -68,16 +175,7 @@ pub fn forward_backward(
     labels: &[usize],
     loss_opts: LossOptions,
 ) -> Result<StepOutput> {
-    if plan.stages.len() != model.stages.len() {
-        return Err(Error::invalid(
-            "exec",
-            format!(
-                "plan has {} stages, model {}",
-                plan.stages.len(),
-                model.stages.len()
-            ),
-        ));
-    }
+    plan.validate(model.stages.len())?;
     let n = images.dims()[0];
     if labels.len() != n {
         return Err(Error::ShapeMismatch {
@@ -86,17 +184,31 @@ pub fn forward_backward(
             got: labels.len().to_string(),
         });
     }
-    let mut saved: Vec<Saved> = Vec::with_capacity(model.stages.len());
+    let mut tape: Vec<Tape> = Vec::with_capacity(plan.segments.len());
     let mut x = images;
-    for (stage, step) in model.stages.iter_mut().zip(&plan.stages) {
-        match step {
-            StagePlan::Keep => {
+    for seg in &plan.segments {
+        let stages = &mut model.stages[seg.start..seg.end];
+        if seg.recompute {
+            let mut checkpoint = None;
+            for stage in stages.iter_mut() {
                 let (y, s) = stage.forward(pool, x, Mode::Train)?;
-                saved.push(s.ok_or_else(|| {
-                    Error::invalid("exec", "training forward returned no saved state")
-                })?);
+                let s = saved_or_err(s)?;
+                if checkpoint.is_none() {
+                    checkpoint = Some(s.into_input().ok_or_else(|| {
+                        Error::invalid("exec", "this stage cannot start a recomputed segment")
+                    })?);
+                }
                 x = y;
             }
+            tape.push(Tape::Checkpoint(checkpoint.expect("segment is not empty")));
+        } else {
+            let mut kept = Vec::with_capacity(stages.len());
+            for stage in stages.iter_mut() {
+                let (y, s) = stage.forward(pool, x, Mode::Train)?;
+                kept.push(saved_or_err(s)?);
+                x = y;
+            }
+            tape.push(Tape::Kept(kept));
         }
     }
     let logits = x;
@@ -106,28 +218,51 @@ pub fn forward_backward(
         Category::Activations,
         Tag::fixed("loss.d_logits"),
     )?;
-    let loss = cross_entropy_forward_backward(
-        d_logits.f32_mut(),
-        logits.f32(),
-        labels,
-        classes,
-        loss_opts.label_smoothing,
-    )?;
-    let correct = argmax_rows(logits.f32(), classes)
-        .iter()
-        .zip(labels)
-        .filter(|(p, l)| p == l)
-        .count();
+    let (loss, correct) = if pool.computes() {
+        let loss = cross_entropy_forward_backward_over(
+            d_logits.f32_mut(),
+            logits.f32(),
+            labels,
+            classes,
+            loss_opts.label_smoothing,
+            loss_opts.window_samples.unwrap_or(n),
+        )?;
+        let correct = argmax_rows(logits.f32(), classes)
+            .iter()
+            .zip(labels)
+            .filter(|(p, l)| p == l)
+            .count();
+        (loss, correct)
+    } else {
+        (0.0, 0)
+    };
     drop(logits);
 
-    let mut d = d_logits;
-    for stage in model.stages.iter_mut().rev() {
-        let s = saved
-            .pop()
-            .ok_or_else(|| Error::invalid("exec", "saved state missing"))?;
-        match stage.backward(pool, s, d)? {
-            Some(g) => d = g,
-            None => break,
+    let mut d = Some(d_logits);
+    for (seg, entry) in plan.segments.iter().zip(tape).rev() {
+        let stages = &mut model.stages[seg.start..seg.end];
+        let mut saved = match entry {
+            Tape::Kept(saved) => saved,
+            Tape::Checkpoint(input) => {
+                let mut saved = Vec::with_capacity(stages.len());
+                let mut x = input;
+                for stage in stages.iter_mut() {
+                    let (y, s) = stage.forward(pool, x, Mode::Recompute)?;
+                    saved.push(saved_or_err(s)?);
+                    x = y;
+                }
+                drop(x); // the segment output: the next segment already used it
+                saved
+            }
+        };
+        for stage in stages.iter_mut().rev() {
+            let s = saved
+                .pop()
+                .ok_or_else(|| Error::invalid("exec", "saved state missing"))?;
+            let grad_out = d
+                .take()
+                .ok_or_else(|| Error::invalid("exec", "gradient missing"))?;
+            d = stage.backward(pool, s, grad_out)?;
         }
     }
     Ok(StepOutput { loss, correct })

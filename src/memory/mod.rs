@@ -11,6 +11,10 @@
 //!   fails with [`Error::OutOfBudget`] and a [`BudgetReport`]. Cached blocks
 //!   are dropped before reserved memory would cross the budget.
 //! * An optional timeline records every alloc/free event.
+//! * A *shapes-only* pool ([`Pool::shapes_only`]) does the same accounting
+//!   with empty storage, and layers skip their kernels on it: running the
+//!   executor on it predicts the exact allocation sequence and peak of a
+//!   step in microseconds, without the memory (the planner's simulator).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -260,6 +264,8 @@ impl PoolState {
 #[derive(Clone, Default)]
 pub struct Pool {
     state: Arc<Mutex<PoolState>>,
+    /// Accounting only: storage is empty and kernels do not run.
+    shapes_only: bool,
 }
 
 impl Pool {
@@ -272,6 +278,22 @@ impl Pool {
         let pool = Pool::new();
         pool.set_budget(Some(budget));
         pool
+    }
+
+    /// A pool that accounts for every allocation but backs none with
+    /// memory; tensors from it have empty storage. Layers check
+    /// [`Pool::computes`] and skip their kernels, so a step run on it
+    /// reproduces the real step's allocations exactly.
+    pub fn shapes_only() -> Self {
+        Pool {
+            shapes_only: true,
+            ..Pool::default()
+        }
+    }
+
+    /// Whether tensors from this pool hold data (false for a shapes-only pool).
+    pub fn computes(&self) -> bool {
+        !self.shapes_only
     }
 
     fn lock(&self) -> MutexGuard<'_, PoolState> {
@@ -381,7 +403,9 @@ impl Pool {
             });
         }
         let mut t = self.allocate(shape, DType::F32, category, tag, false)?;
-        t.f32_mut().copy_from_slice(values);
+        if self.computes() {
+            t.f32_mut().copy_from_slice(values);
+        }
         Ok(t)
     }
 
@@ -395,7 +419,11 @@ impl Pool {
     ) -> Result<Tensor> {
         let numel = shape.numel();
         let bytes = dtype.storage_bytes(numel);
-        let len = dtype.storage_len(numel);
+        let len = if self.shapes_only {
+            0
+        } else {
+            dtype.storage_len(numel)
+        };
         let mut s = self.lock();
         if let Some(budget) = s.budget
             && s.live_total + bytes > budget
@@ -480,6 +508,9 @@ impl Pool {
                 bytes: entry.bytes,
                 live_total,
             });
+        }
+        if self.shapes_only {
+            return; // nothing to cache: the storage is empty
         }
         s.cached_bytes += entry.bytes;
         s.free

@@ -86,7 +86,9 @@ fn join_residual(
         Category::Activations,
         Tag::new(name, "relu_mask"),
     )?;
-    relu::add_relu_forward(z.f32_mut(), residual.f32(), mask.bits_mut());
+    if pool.computes() {
+        relu::add_relu_forward(z.f32_mut(), residual.f32(), mask.bits_mut());
+    }
     Ok(mask)
 }
 
@@ -113,6 +115,11 @@ pub struct BasicSaved {
 }
 
 impl BasicSaved {
+    /// The block input, for a checkpoint; the rest is freed.
+    pub fn into_input(self) -> Tensor {
+        self.x
+    }
+
     pub fn bytes(&self) -> usize {
         [&self.x, &self.y1, &self.a1, &self.y2, &self.mask]
             .iter()
@@ -185,7 +192,7 @@ impl BasicBlock {
             }
             None => (join_residual(pool, &self.name, &mut z, &x)?, None),
         };
-        let saved = (mode == Mode::Train).then_some(BasicSaved {
+        let saved = mode.saves().then_some(BasicSaved {
             x,
             y1,
             bn1,
@@ -199,7 +206,9 @@ impl BasicBlock {
     }
 
     pub fn backward(&mut self, pool: &Pool, s: BasicSaved, mut d_out: Tensor) -> Result<Tensor> {
-        relu::relu_mask_backward_inplace(d_out.f32_mut(), s.mask.bits());
+        if pool.computes() {
+            relu::relu_mask_backward_inplace(d_out.f32_mut(), s.mask.bits());
+        }
         let d_z = d_out;
         let d_y2 = self.bn2.backward(pool, &d_z, &s.y2, &s.bn2, None)?;
         drop((s.y2, s.bn2));
@@ -213,7 +222,8 @@ impl BasicBlock {
         drop(d_y1);
         match (self.downsample.as_mut(), s.down) {
             (Some(ds), Some(saved)) => ds.backward(pool, saved, &d_z, &s.x, &mut d_x)?,
-            _ => add::add_assign(d_x.f32_mut(), d_z.f32()),
+            _ if pool.computes() => add::add_assign(d_x.f32_mut(), d_z.f32()),
+            _ => {}
         }
         Ok(d_x)
     }
@@ -258,6 +268,11 @@ pub struct BottleneckSaved {
 }
 
 impl BottleneckSaved {
+    /// The block input, for a checkpoint; the rest is freed.
+    pub fn into_input(self) -> Tensor {
+        self.x
+    }
+
     pub fn bytes(&self) -> usize {
         [
             &self.x, &self.y1, &self.a1, &self.y2, &self.a2, &self.y3, &self.mask,
@@ -338,7 +353,7 @@ impl Bottleneck {
             }
             None => (join_residual(pool, &self.name, &mut z, &x)?, None),
         };
-        let saved = (mode == Mode::Train).then_some(BottleneckSaved {
+        let saved = mode.saves().then_some(BottleneckSaved {
             x,
             y1,
             bn1,
@@ -360,7 +375,9 @@ impl Bottleneck {
         s: BottleneckSaved,
         mut d_out: Tensor,
     ) -> Result<Tensor> {
-        relu::relu_mask_backward_inplace(d_out.f32_mut(), s.mask.bits());
+        if pool.computes() {
+            relu::relu_mask_backward_inplace(d_out.f32_mut(), s.mask.bits());
+        }
         let d_z = d_out;
         let d_y3 = self.bn3.backward(pool, &d_z, &s.y3, &s.bn3, None)?;
         drop((s.y3, s.bn3));
@@ -379,7 +396,8 @@ impl Bottleneck {
         drop(d_y1);
         match (self.downsample.as_mut(), s.down) {
             (Some(ds), Some(saved)) => ds.backward(pool, saved, &d_z, &s.x, &mut d_x)?,
-            _ => add::add_assign(d_x.f32_mut(), d_z.f32()),
+            _ if pool.computes() => add::add_assign(d_x.f32_mut(), d_z.f32()),
+            _ => {}
         }
         Ok(d_x)
     }

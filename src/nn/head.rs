@@ -41,10 +41,12 @@ impl Head {
         let (n, h, w, c) = x.shape().nhwc();
         let mut pooled =
             pool.empty_f32(&[n, c], Category::Activations, Tag::fixed("avgpool.out"))?;
-        avgpool::avgpool_forward(pooled.f32_mut(), x.f32(), h * w, c);
+        if pool.computes() {
+            avgpool::avgpool_forward(pooled.f32_mut(), x.f32(), h * w, c);
+        }
         drop(x);
         let logits = self.fc.forward(pool, &pooled)?;
-        let saved = (mode == Mode::Train).then_some(HeadSaved {
+        let saved = mode.saves().then_some(HeadSaved {
             pooled,
             input_dims: [n, h, w, c],
         });
@@ -60,7 +62,9 @@ impl Head {
             Category::Activations,
             Tag::fixed("avgpool.dx"),
         )?;
-        avgpool::avgpool_backward(dx.f32_mut(), d_pooled.f32(), h * w, c);
+        if pool.computes() {
+            avgpool::avgpool_backward(dx.f32_mut(), d_pooled.f32(), h * w, c);
+        }
         Ok(dx)
     }
 

@@ -77,13 +77,15 @@ impl Conv {
             Category::Workspace,
             Tag::new(&self.name, "im2col"),
         )?;
-        conv2d::conv2d_forward(
-            y.f32_mut(),
-            x.f32(),
-            self.weight.value.f32(),
-            &g,
-            ws.f32_mut(),
-        );
+        if pool.computes() {
+            conv2d::conv2d_forward(
+                y.f32_mut(),
+                x.f32(),
+                self.weight.value.f32(),
+                &g,
+                ws.f32_mut(),
+            );
+        }
         Ok(y)
     }
 
@@ -103,15 +105,17 @@ impl Conv {
             Category::Workspace,
             Tag::new(&self.name, "im2col"),
         )?;
-        conv2d::conv2d_backward(
-            dx.map(|t| t.f32_mut()),
-            self.weight.grad.f32_mut(),
-            dy.f32(),
-            x.f32(),
-            self.weight.value.f32(),
-            &g,
-            ws.f32_mut(),
-        );
+        if pool.computes() {
+            conv2d::conv2d_backward(
+                dx.map(|t| t.f32_mut()),
+                self.weight.grad.f32_mut(),
+                dy.f32(),
+                x.f32(),
+                self.weight.value.f32(),
+                &g,
+                ws.f32_mut(),
+            );
+        }
         Ok(())
     }
 
@@ -181,8 +185,9 @@ impl BatchNorm {
         2 * 4 * self.c
     }
 
-    /// Normalise `x` (and ReLU when `relu`). In `Mode::Train` with batch
-    /// policy, uses batch statistics and advances the running ones.
+    /// Normalise `x` (and ReLU when `relu`). With batch policy, `Train` and
+    /// `Recompute` use batch statistics; only `Train` advances the running
+    /// ones.
     pub fn forward(
         &mut self,
         pool: &Pool,
@@ -196,35 +201,44 @@ impl BatchNorm {
         let tag = |f| Tag::new(&self.name, f);
         let mut mean = pool.empty_f32(&[c], Category::Activations, tag("mean"))?;
         let mut rstd = pool.empty_f32(&[c], Category::Activations, tag("rstd"))?;
-        let from_batch = mode == Mode::Train && self.policy == BnPolicy::Batch;
+        let from_batch = mode != Mode::Eval && self.policy == BnPolicy::Batch;
+        let computes = pool.computes();
         if from_batch {
             let mut var = pool.empty_f32(&[c], Category::Workspace, tag("var"))?;
-            bn::bn_batch_stats(mean.f32_mut(), var.f32_mut(), x.f32(), c);
-            bn::bn_rstd(rstd.f32_mut(), var.f32(), self.eps);
-            bn::bn_update_running(
-                self.running_mean.f32_mut(),
-                self.running_var.f32_mut(),
-                mean.f32(),
-                var.f32(),
-                rows,
-                self.momentum,
-            );
-            self.num_batches_tracked += 1;
-        } else {
+            if computes {
+                bn::bn_batch_stats(mean.f32_mut(), var.f32_mut(), x.f32(), c);
+                bn::bn_rstd(rstd.f32_mut(), var.f32(), self.eps);
+            }
+            if mode == Mode::Train {
+                if computes {
+                    bn::bn_update_running(
+                        self.running_mean.f32_mut(),
+                        self.running_var.f32_mut(),
+                        mean.f32(),
+                        var.f32(),
+                        rows,
+                        self.momentum,
+                    );
+                }
+                self.num_batches_tracked += 1;
+            }
+        } else if computes {
             mean.f32_mut().copy_from_slice(self.running_mean.f32());
             bn::bn_rstd(rstd.f32_mut(), self.running_var.f32(), self.eps);
         }
         let mut y = pool.empty_f32(x.dims(), Category::Activations, tag(field))?;
-        bn::bn_forward(
-            y.f32_mut(),
-            x.f32(),
-            mean.f32(),
-            rstd.f32(),
-            self.weight.value.f32(),
-            self.bias.value.f32(),
-            c,
-            relu,
-        );
+        if computes {
+            bn::bn_forward(
+                y.f32_mut(),
+                x.f32(),
+                mean.f32(),
+                rstd.f32(),
+                self.weight.value.f32(),
+                self.bias.value.f32(),
+                c,
+                relu,
+            );
+        }
         Ok((
             y,
             BnStats {
@@ -246,6 +260,9 @@ impl BatchNorm {
     ) -> Result<Tensor> {
         let mut dx = pool.empty_f32(x.dims(), Category::Activations, Tag::new(&self.name, "dx"))?;
         let frozen = self.policy == BnPolicy::Frozen;
+        if !pool.computes() {
+            return Ok(dx);
+        }
         bn::bn_backward(
             dx.f32_mut(),
             (!frozen).then(|| self.weight.grad.f32_mut()),
@@ -301,6 +318,9 @@ impl Linear {
             Category::Activations,
             Tag::new(&self.name, "y"),
         )?;
+        if !pool.computes() {
+            return Ok(y);
+        }
         linear::linear_forward(
             y.f32_mut(),
             x.f32(),
@@ -316,6 +336,9 @@ impl Linear {
     pub fn backward(&mut self, pool: &Pool, dy: &Tensor, x: &Tensor) -> Result<Tensor> {
         let n = x.dims()[0];
         let mut dx = pool.empty_f32(x.dims(), Category::Activations, Tag::new(&self.name, "dx"))?;
+        if !pool.computes() {
+            return Ok(dx);
+        }
         linear::linear_backward(
             Some(dx.f32_mut()),
             self.weight.grad.f32_mut(),

@@ -27,8 +27,20 @@ pub enum Mode {
     /// Batch statistics (unless BN is frozen), running stats advance, and
     /// the stage returns what its backward needs.
     Train,
+    /// The forward replayed in backward by a checkpoint plan: the same batch
+    /// statistics and outputs as `Train` (bit for bit), but the running
+    /// statistics and `num_batches_tracked` stay as they are, so they
+    /// advance once per micro-batch however often a stage is recomputed.
+    Recompute,
     /// Running statistics, nothing saved.
     Eval,
+}
+
+impl Mode {
+    /// Whether the stage returns what its backward needs.
+    pub fn saves(self) -> bool {
+        self != Mode::Eval
+    }
 }
 
 /// How batch norm layers behave in training.

@@ -103,6 +103,17 @@ pub enum Saved {
 }
 
 impl Saved {
+    /// The stage input alone (what a checkpoint keeps); the rest is freed.
+    /// The head keeps only its pooled features, so it has none to give.
+    pub fn into_input(self) -> Option<Tensor> {
+        match self {
+            Saved::Stem(s) => Some(s.into_input()),
+            Saved::Basic(s) => Some(s.into_input()),
+            Saved::Bottleneck(s) => Some(s.into_input()),
+            Saved::Head(_) => None,
+        }
+    }
+
     pub fn bytes(&self) -> usize {
         match self {
             Saved::Stem(s) => s.bytes(),
@@ -172,6 +183,34 @@ impl Stage {
                 "backward",
                 format!("saved state does not belong to stage {}", stage.name()),
             )),
+        }
+    }
+
+    /// Multiply-add FLOPs (2 per MAC) of the convolutions and the linear
+    /// layer in one forward of n (h, w) inputs; the planner's time model.
+    pub fn forward_flops(&self, n: usize, h: usize, w: usize) -> f64 {
+        use crate::nn::Conv;
+        let conv = |c: &Conv, oh: usize, ow: usize| {
+            2.0 * (n * oh * ow) as f64 * (c.k * c.k * c.cin * c.cout) as f64
+        };
+        let (oh, ow, _) = self.out_hwc(h, w);
+        match self {
+            Stage::Stem(s) => {
+                let g = s.conv1.geom(n, h, w);
+                conv(&s.conv1, g.oh(), g.ow())
+            }
+            Stage::Basic(b) => {
+                conv(&b.conv1, oh, ow)
+                    + conv(&b.conv2, oh, ow)
+                    + b.downsample.as_ref().map_or(0.0, |d| conv(&d.conv, oh, ow))
+            }
+            Stage::Bottleneck(b) => {
+                conv(&b.conv1, h, w)
+                    + conv(&b.conv2, oh, ow)
+                    + conv(&b.conv3, oh, ow)
+                    + b.downsample.as_ref().map_or(0.0, |d| conv(&d.conv, oh, ow))
+            }
+            Stage::Head(hd) => 2.0 * (n * hd.fc.fin * hd.fc.fout) as f64,
         }
     }
 

@@ -22,6 +22,11 @@ pub struct StemSaved {
 }
 
 impl StemSaved {
+    /// The images, for a checkpoint; the rest is freed.
+    pub fn into_input(self) -> Tensor {
+        self.x
+    }
+
     pub fn bytes(&self) -> usize {
         self.x.bytes() + self.y.bytes() + self.bn.bytes() + self.a.bytes()
     }
@@ -70,8 +75,10 @@ impl Stem {
             Category::Activations,
             Tag::fixed("maxpool.out"),
         )?;
-        maxpool::maxpool_forward(out.f32_mut(), a.f32(), &g);
-        let saved = (mode == Mode::Train).then_some(StemSaved { x, y, bn, a });
+        if pool.computes() {
+            maxpool::maxpool_forward(out.f32_mut(), a.f32(), &g);
+        }
+        let saved = mode.saves().then_some(StemSaved { x, y, bn, a });
         Ok((out, saved))
     }
 
@@ -80,12 +87,14 @@ impl Stem {
         let StemSaved { x, y, bn, a } = saved;
         let (n, h, w, c) = a.shape().nhwc();
         let mut d_a = pool.empty_f32(a.dims(), Category::Activations, Tag::fixed("maxpool.dx"))?;
-        maxpool::maxpool_backward(
-            d_a.f32_mut(),
-            d_out.f32(),
-            a.f32(),
-            &Self::pool_geom(n, h, w, c),
-        );
+        if pool.computes() {
+            maxpool::maxpool_backward(
+                d_a.f32_mut(),
+                d_out.f32(),
+                a.f32(),
+                &Self::pool_geom(n, h, w, c),
+            );
+        }
         drop(d_out);
         let d_y = self.bn1.backward(pool, &d_a, &y, &bn, Some(&a))?;
         drop((d_a, a));

@@ -13,6 +13,30 @@ pub fn cross_entropy_forward_backward(
     smoothing: f32,
 ) -> Result<f64> {
     let n = labels.len();
+    cross_entropy_forward_backward_over(dlogits, logits, labels, classes, smoothing, n)
+}
+
+/// As [`cross_entropy_forward_backward`], but the gradient is that of the
+/// summed loss divided by `divisor` samples: the micro-batch of an
+/// accumulation window passes the window's sample count, so k micro-batches
+/// give each sample exactly the gradient one big batch would (the division
+/// happens in f64 per element, before rounding). The returned loss is still
+/// this batch's mean.
+pub fn cross_entropy_forward_backward_over(
+    dlogits: &mut [f32],
+    logits: &[f32],
+    labels: &[usize],
+    classes: usize,
+    smoothing: f32,
+    divisor: usize,
+) -> Result<f64> {
+    let n = labels.len();
+    if divisor < n {
+        return Err(Error::invalid(
+            "cross_entropy",
+            format!("divisor {divisor} is smaller than the batch of {n}"),
+        ));
+    }
     if logits.len() != n * classes {
         return Err(Error::ShapeMismatch {
             op: "cross_entropy",
@@ -38,7 +62,7 @@ pub fn cross_entropy_forward_backward(
             let target = eps / classes as f64 + if c == label { 1.0 - eps } else { 0.0 };
             let logp = v as f64 - log_z;
             total -= target * logp;
-            *d = ((logp.exp() - target) / n as f64) as f32;
+            *d = ((logp.exp() - target) / divisor as f64) as f32;
         }
     }
     Ok(total / n as f64)

@@ -20,6 +20,44 @@ use crate::memory::{Category, Pool, Tag};
 use crate::nn::ResNet;
 use crate::tensor::Tensor;
 
+/// The optimizers a run can use.
+pub enum Optimizer {
+    Sgd(Sgd),
+    AdamW(AdamW),
+}
+
+impl Optimizer {
+    pub fn set_lr(&mut self, lr: f32) {
+        match self {
+            Optimizer::Sgd(o) => o.set_lr(lr),
+            Optimizer::AdamW(o) => o.set_lr(lr),
+        }
+    }
+
+    pub fn step(&mut self, pool: &Pool, model: &mut ResNet) -> Result<()> {
+        match self {
+            Optimizer::Sgd(o) => o.step(pool, model),
+            Optimizer::AdamW(o) => o.step(pool, model),
+        }
+    }
+
+    /// The same hyper-parameters with no state yet (what the planner
+    /// simulates: state buffers appear on the first step).
+    pub fn fresh(&self) -> Optimizer {
+        match self {
+            Optimizer::Sgd(o) => {
+                Optimizer::Sgd(Sgd::new(o.lr, o.momentum, o.weight_decay, o.nesterov))
+            }
+            Optimizer::AdamW(o) => Optimizer::AdamW(AdamW::with_params(
+                o.lr,
+                (o.beta1, o.beta2),
+                o.eps,
+                o.weight_decay,
+            )),
+        }
+    }
+}
+
 /// Widens a hyper-parameter the way a user typed it: `0.9f32` becomes the
 /// `f64` 0.9 (what PyTorch's Python float holds), not 0.89999997615814.
 /// Used for the scalars PyTorch computes in double precision.

@@ -11,38 +11,24 @@ use rand::{SeedableRng, rngs::ChaCha8Rng, seq::SliceRandom};
 
 use crate::data::InMemoryDataset;
 use crate::error::{Error, Result};
-use crate::exec::{LossOptions, Plan, forward_backward, forward_eval};
+use crate::exec::{LossOptions, Plan, StepOutput, forward_backward, forward_eval};
 use crate::memory::{Category, MemoryStats, Pool, Tag};
 use crate::nn::ResNet;
 use crate::ops::cross_entropy::cross_entropy_forward_backward;
-use crate::optim::{AdamW, LrSchedule, Sgd, clip_grad_norm};
+pub use crate::optim::Optimizer;
+use crate::optim::{LrSchedule, clip_grad_norm};
 use crate::tensor::Tensor;
-
-/// The optimizers a run can use.
-pub enum Optimizer {
-    Sgd(Sgd),
-    AdamW(AdamW),
-}
-
-impl Optimizer {
-    fn set_lr(&mut self, lr: f32) {
-        match self {
-            Optimizer::Sgd(o) => o.set_lr(lr),
-            Optimizer::AdamW(o) => o.set_lr(lr),
-        }
-    }
-
-    fn step(&mut self, pool: &Pool, model: &mut ResNet) -> Result<()> {
-        match self {
-            Optimizer::Sgd(o) => o.step(pool, model),
-            Optimizer::AdamW(o) => o.step(pool, model),
-        }
-    }
-}
 
 pub struct TrainOptions {
     pub epochs: usize,
+    /// Samples per optimizer step (the effective batch).
     pub batch_size: usize,
+    /// Samples per forward/backward; the window of `batch_size` samples is
+    /// split into micro-batches of this size whose gradients accumulate.
+    /// `None`: the whole batch at once.
+    pub micro_batch: Option<usize>,
+    /// What each stage keeps or recomputes.
+    pub plan: Option<Plan>,
     pub seed: u64,
     pub shuffle: bool,
     pub label_smoothing: f32,
@@ -187,7 +173,14 @@ pub fn fit(
             .unwrap_or_default(),
         reason: e.to_string(),
     };
-    let plan = Plan::keep_all(model);
+    let plan = match &opts.plan {
+        Some(p) => p.clone(),
+        None => Plan::keep_all(model),
+    };
+    let micro = opts
+        .micro_batch
+        .unwrap_or(opts.batch_size)
+        .clamp(1, opts.batch_size);
     let mut rng = ChaCha8Rng::seed_from_u64(opts.seed);
     let mut reports = Vec::new();
     let mut step = 0;
@@ -203,18 +196,30 @@ pub fn fit(
             let t0 = std::time::Instant::now();
             lr = opts.schedule.lr_at(opts.base_lr, step);
             optimizer.set_lr(lr);
-            let (images, labels) = gather(pool, train, idx)?;
             model.zero_grad();
-            let out = forward_backward(
-                model,
-                pool,
-                &plan,
-                images,
-                &labels,
-                LossOptions {
-                    label_smoothing: opts.label_smoothing,
-                },
-            )?;
+            // One optimizer step per window; the loss of every micro-batch
+            // is normalised by the window's sample count, so an uneven last
+            // window weighs each sample as a full one would.
+            let mut out = StepOutput {
+                loss: 0.0,
+                correct: 0,
+            };
+            for micro_idx in idx.chunks(micro) {
+                let (images, labels) = gather(pool, train, micro_idx)?;
+                let o = forward_backward(
+                    model,
+                    pool,
+                    &plan,
+                    images,
+                    &labels,
+                    LossOptions {
+                        label_smoothing: opts.label_smoothing,
+                        window_samples: Some(idx.len()),
+                    },
+                )?;
+                out.loss += o.loss * micro_idx.len() as f64 / idx.len() as f64;
+                out.correct += o.correct;
+            }
             step += 1;
             if !out.loss.is_finite() {
                 return Err(Error::NonFiniteLoss {

@@ -1,0 +1,306 @@
+//! Checkpoint plans: recomputation is exact (bit-identical gradients, BN
+//! buffers advanced once), the shapes-only simulation and the composed cost
+//! model predict the measured peak, and the budget DP beats uniform plans.
+
+mod common;
+
+use memfit::exec::{LossOptions, Plan, Segment, forward_backward, forward_eval};
+use memfit::memory::{Category, Pool, Tag};
+use memfit::nn::{BlockKind, BnPolicy, ResNet, ResNetConfig, StateSlot};
+use memfit::optim::{Optimizer, Sgd};
+use memfit::plan::{CostModel, Strategy, segments_plan, simulate, stages_plan};
+
+/// Every state_dict entry and every gradient, as raw bits.
+fn snapshot(model: &mut ResNet) -> Vec<(String, Vec<u32>)> {
+    let mut out = Vec::new();
+    model.visit_state(|slot| match slot {
+        StateSlot::Param { param, .. } => {
+            out.push((
+                param.name.clone(),
+                param.value.f32().iter().map(|v| v.to_bits()).collect(),
+            ));
+            out.push((
+                format!("{}.grad", param.name),
+                param.grad.f32().iter().map(|v| v.to_bits()).collect(),
+            ));
+        }
+        StateSlot::Buffer { name, data } => {
+            out.push((name, data.iter().map(|v| v.to_bits()).collect()))
+        }
+        StateSlot::Count { name, value } => out.push((name, vec![*value as u32])),
+    });
+    out
+}
+
+/// Two forward/backward passes (so running stats advance twice) under
+/// `plan`; returns the losses and the snapshot.
+fn run(config: &ResNetConfig, plan: &Plan) -> (Vec<f64>, Vec<(String, Vec<u32>)>) {
+    let pool = Pool::new();
+    let mut model = ResNet::new(&pool, config.clone()).unwrap();
+    let mut losses = Vec::new();
+    for seed in [3, 4] {
+        let (images, labels) = common::batch(&pool, seed, 3, 32, 32, 10);
+        let out = forward_backward(
+            &mut model,
+            &pool,
+            plan,
+            images,
+            &labels,
+            LossOptions::default(),
+        )
+        .unwrap();
+        losses.push(out.loss);
+    }
+    (losses, snapshot(&mut model))
+}
+
+fn stage_names(config: &ResNetConfig) -> Vec<String> {
+    let pool = Pool::shapes_only();
+    let model = ResNet::new(&pool, config.clone()).unwrap();
+    model.stages.iter().map(|s| s.name()).collect()
+}
+
+fn sgd() -> Optimizer {
+    Optimizer::Sgd(Sgd::new(0.1, 0.9, 5e-4, false))
+}
+
+fn plans_for(config: &ResNetConfig, micro: usize) -> Vec<(String, Plan)> {
+    let names = stage_names(config);
+    let n = names.len();
+    let costs = CostModel::measure(config, BnPolicy::Batch, &sgd(), micro, 32).unwrap();
+    let mut plans = vec![(
+        "none".to_string(),
+        Plan::from_flags(&vec![false; n], &vec![false; n]),
+    )];
+    for k in [2, 3, 4] {
+        plans.push((format!("segments:{k}"), segments_plan(&costs, k)));
+    }
+    let stage_lists: &[&[&str]] = &[&["layer1", "layer3"], &["stem", "layer2.0"], &["layer4"]];
+    for list in stage_lists {
+        let wanted: Vec<String> = list.iter().map(|s| s.to_string()).collect();
+        plans.push((
+            format!("stages:{}", list.join(",")),
+            stages_plan(&names, &wanted).unwrap(),
+        ));
+    }
+    // Every stage but the head its own recomputed segment, and one segment
+    // for everything but the head.
+    let mut starts = vec![true; n];
+    starts[n - 1] = false;
+    let mut rec = vec![true; n];
+    rec[n - 1] = false;
+    plans.push(("singletons".into(), Plan::from_flags(&rec, &starts)));
+    let mut one = vec![false; n];
+    one[0] = true;
+    plans.push(("one segment".into(), Plan::from_flags(&rec, &one)));
+    plans
+}
+
+fn configs() -> Vec<ResNetConfig> {
+    vec![
+        common::tiny_config(BlockKind::Bottleneck, [2, 1, 2, 1], 8, 10),
+        common::tiny_config(BlockKind::Basic, [1, 2, 1, 1], 8, 10),
+    ]
+}
+
+#[test]
+fn every_plan_gives_bit_identical_gradients_and_bn_buffers() {
+    for config in configs() {
+        let (want_loss, want) = run(&config, &Plan::keep_all_len(stage_names(&config).len()));
+        for (name, plan) in plans_for(&config, 3) {
+            let (loss, got) = run(&config, &plan);
+            assert_eq!(loss, want_loss, "{name}: loss");
+            assert_eq!(got.len(), want.len());
+            for ((gn, g), (wn, w)) in got.iter().zip(&want) {
+                assert_eq!(gn, wn);
+                assert!(
+                    g == w,
+                    "{name} ({plan}): {gn} differs from the plan-free run"
+                );
+            }
+            // Two forwards: num_batches_tracked is 2, never more.
+            let count = got
+                .iter()
+                .find(|(n, _)| n == "bn1.num_batches_tracked")
+                .unwrap();
+            assert_eq!(count.1, vec![2], "{name}");
+        }
+    }
+}
+
+/// The real run that `simulate` claims to predict: two optimizer steps of
+/// one micro-batch each, then one evaluation batch.
+fn measured_peak(config: &ResNetConfig, plan: &Plan, micro: usize, size: usize) -> usize {
+    let pool = Pool::new();
+    let mut model = ResNet::new(&pool, config.clone()).unwrap();
+    let mut opt = sgd();
+    for seed in [1, 2] {
+        model.zero_grad();
+        let (images, labels) = common::batch(&pool, seed, micro, size, size, 10);
+        forward_backward(
+            &mut model,
+            &pool,
+            plan,
+            images,
+            &labels,
+            LossOptions::default(),
+        )
+        .unwrap();
+        opt.step(&pool, &mut model).unwrap();
+    }
+    let (images, _) = common::batch(&pool, 9, micro, size, size, 10);
+    let logits = forward_eval(&mut model, &pool, images).unwrap();
+    let scratch = pool
+        .empty_f32(
+            logits.dims(),
+            Category::Workspace,
+            Tag::fixed("eval.d_logits"),
+        )
+        .unwrap();
+    drop((logits, scratch));
+    pool.stats().peak_total
+}
+
+#[test]
+fn simulation_and_cost_model_predict_the_measured_peak_exactly() {
+    for config in configs() {
+        for (micro, size) in [(3, 32), (2, 40)] {
+            let costs = CostModel::measure(&config, BnPolicy::Batch, &sgd(), micro, size).unwrap();
+            for (name, plan) in plans_for(&config, micro) {
+                let measured = measured_peak(&config, &plan, micro, size);
+                let simulated = simulate(&config, BnPolicy::Batch, &sgd(), &plan, micro, size)
+                    .unwrap()
+                    .peak_total;
+                let composed = costs.predict(&plan);
+                assert_eq!(
+                    simulated, measured,
+                    "{name} micro {micro} size {size}: simulation"
+                );
+                assert_eq!(
+                    composed, measured,
+                    "{name} micro {micro} size {size}: cost model"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn recompute_plans_lower_the_peak() {
+    let config = common::tiny_config(BlockKind::Bottleneck, [2, 2, 2, 2], 8, 10);
+    // Large enough images that activations, not the stem's im2col
+    // workspace, decide the peak.
+    let costs = CostModel::measure(&config, BnPolicy::Batch, &sgd(), 8, 96).unwrap();
+    let none = costs.predict(&segments_plan(&costs, 1));
+    let two = costs.predict(&segments_plan(&costs, 2));
+    let four = costs.predict(&segments_plan(&costs, 4));
+    assert!(two < none, "segments:2 {two} vs none {none}");
+    assert!(four < none, "segments:4 {four} vs none {none}");
+}
+
+#[test]
+fn dp_is_never_worse_than_uniform_segments_and_monotone_in_budget() {
+    let config = common::tiny_config(BlockKind::Bottleneck, [2, 2, 3, 2], 8, 10);
+    let costs = CostModel::measure(&config, BnPolicy::Batch, &sgd(), 4, 32).unwrap();
+    for k in 1..=6 {
+        let uniform = segments_plan(&costs, k);
+        let budget = costs.predict(&uniform);
+        let best = costs
+            .best_plan(budget)
+            .expect("the uniform plan itself fits");
+        assert!(best.peak <= budget, "k={k}: {} > {budget}", best.peak);
+        assert!(
+            best.recompute_seconds <= costs.recompute_seconds(&uniform) + 1e-12,
+            "k={k}: dp {} s vs uniform {} s",
+            best.recompute_seconds,
+            costs.recompute_seconds(&uniform)
+        );
+    }
+    let min = costs.min_peak();
+    assert!(costs.best_plan(min).is_some());
+    assert!(costs.best_plan(min - 1).is_none());
+    let none = costs.predict(&segments_plan(&costs, 1));
+    let mut last = f64::INFINITY;
+    for i in 0..=10 {
+        let budget = min + (none - min) * i / 10;
+        let c = costs.best_plan(budget).unwrap();
+        assert!(c.peak <= budget);
+        assert!(c.recompute_seconds <= last + 1e-12, "budget {budget}");
+        last = c.recompute_seconds;
+    }
+    assert_eq!(last, 0.0, "the plan-free peak needs no recomputation");
+}
+
+#[test]
+fn a_budget_below_the_smallest_plan_is_refused_with_the_size_that_fits() {
+    let config = common::tiny_config(BlockKind::Basic, [1, 1, 1, 1], 8, 10);
+    let err =
+        memfit::plan::auto_plan(&config, BnPolicy::Batch, &sgd(), 8, None, 32, 1000).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("too small") && msg.contains("smallest plan needs"),
+        "{msg}"
+    );
+    let memfit::Error::BudgetTooSmall { needed, .. } = err else {
+        panic!("{msg}")
+    };
+    let ok =
+        memfit::plan::auto_plan(&config, BnPolicy::Batch, &sgd(), 8, None, 32, needed).unwrap();
+    assert!(ok.peak <= needed);
+    assert_eq!(ok.micro_batch, 1);
+}
+
+#[test]
+fn strategies_parse_and_bad_ones_are_explained() {
+    assert_eq!("none".parse::<Strategy>().unwrap(), Strategy::None);
+    assert_eq!("auto".parse::<Strategy>().unwrap(), Strategy::Auto);
+    assert_eq!(
+        "segments:4".parse::<Strategy>().unwrap(),
+        Strategy::Segments(4)
+    );
+    assert_eq!(
+        "stages:layer1, layer3.2".parse::<Strategy>().unwrap(),
+        Strategy::Stages(vec!["layer1".into(), "layer3.2".into()])
+    );
+    for bad in ["segments:0", "segments:x", "stages:", "sometimes"] {
+        let msg = bad.parse::<Strategy>().unwrap_err().to_string();
+        assert!(msg.contains(bad) && msg.contains("segments:K"), "{msg}");
+    }
+    let names = stage_names(&configs()[0]);
+    let msg = stages_plan(&names, &["layer9".into()])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("layer9") && msg.contains("layer1.0-1"),
+        "{msg}"
+    );
+    let msg = stages_plan(&names, &["head".into()])
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("head"), "{msg}");
+    let msg = stages_plan(&names, &["layer1".into(), "layer1.0".into()])
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("overlaps"), "{msg}");
+}
+
+#[test]
+fn plans_are_validated() {
+    let n = stage_names(&configs()[1]).len();
+    let gap = Plan {
+        segments: vec![Segment {
+            start: 0,
+            end: n - 1,
+            recompute: false,
+        }],
+    };
+    assert!(gap.validate(n).is_err());
+    let head = Plan {
+        segments: vec![Segment {
+            start: 0,
+            end: n,
+            recompute: true,
+        }],
+    };
+    assert!(head.validate(n).unwrap_err().to_string().contains("head"));
+}
