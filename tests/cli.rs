@@ -186,14 +186,18 @@ fn bad_inputs_give_clear_errors() {
         &["train", "--memory-budget", "lots"],
         "'lots' is not a size",
     );
-    assert_clean_error(&["train", "--memory-budget", "1MB"], "out of memory budget");
+    // The planner refuses a budget the plan cannot fit before training starts.
+    assert_clean_error(
+        &["train", "--memory-budget", "1MB"],
+        "needs 18.81 MiB but the budget is 976.56 KiB",
+    );
     assert_clean_error(
         &["train", "--model", "resnet51"],
         "unknown model 'resnet51'",
     );
     assert_clean_error(
         &["train", "--batch-size", "0", "--epochs", "1"],
-        "batch size must be at least 1",
+        "--batch-size must be at least 1",
     );
     assert_clean_error(&["train", "--image-size", "1"], "too small");
     assert_clean_error(&["bench", "step", "--batch-size", "0"], "at least 1");
@@ -206,4 +210,84 @@ fn bad_inputs_give_clear_errors() {
         &["eval", "--weights", "/nonexistent/w.safetensors"],
         "/nonexistent/w.safetensors",
     );
+}
+
+/// The measured peak of a real (short) run under a budgeted auto plan is the
+/// predicted one, and it stays within the budget.
+#[test]
+fn train_with_auto_plan_meets_its_prediction_and_budget() {
+    let base = [
+        "--threads",
+        "2",
+        "train",
+        "--epochs",
+        "1",
+        "--data",
+        "synthetic",
+        "--train-size",
+        "64",
+        "--val-size",
+        "16",
+        "--batch-size",
+        "32",
+        "--base-width",
+        "8",
+    ];
+    let mut args = base.to_vec();
+    args.extend(["--checkpoint", "auto", "--memory-budget", "9MiB"]);
+    let (code, out, err) = memfit(&args);
+    assert_eq!(code, 0, "stderr:\n{err}\nstdout:\n{out}");
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("predicted peak"))
+        .unwrap_or_else(|| panic!("no prediction line:\n{out}"));
+    assert!(line.ends_with("(+0.00%)"), "{line}");
+    let plan = out.lines().find(|l| l.starts_with("plan:")).unwrap();
+    assert!(plan.contains("recompute") || plan.contains("x 2"), "{plan}");
+
+    // A budget far below parameters + gradients + momentum is refused up
+    // front with the size that would fit.
+    let mut args = base.to_vec();
+    args.extend(["--checkpoint", "auto", "--memory-budget", "1MiB"]);
+    assert_clean_error(&args, "smallest plan needs");
+    let mut args = base.to_vec();
+    args.extend(["--checkpoint", "sometimes"]);
+    assert_clean_error(&args, "segments:K");
+    let mut args = base.to_vec();
+    args.extend(["--memory-budget", "lots"]);
+    assert_clean_error(&args, "--memory-budget");
+}
+
+#[test]
+fn plan_prints_stages_and_predicted_categories() {
+    let (code, out, err) = memfit(&[
+        "plan",
+        "--data",
+        "synthetic",
+        "--batch-size",
+        "64",
+        "--micro-batch",
+        "16",
+        "--checkpoint",
+        "stages:layer1,layer3",
+    ]);
+    assert_eq!(code, 0, "stderr:\n{err}");
+    assert!(out.contains("micro-batch 16 x 4"), "{out}");
+    let layer1 = out.lines().find(|l| l.starts_with("layer1.0")).unwrap();
+    assert!(layer1.contains("checkpoint input"), "{layer1}");
+    let layer2 = out.lines().find(|l| l.starts_with("layer2.0")).unwrap();
+    assert!(layer2.ends_with("keep"), "{layer2}");
+    for cat in [
+        "params",
+        "grads",
+        "optimizer",
+        "activations",
+        "workspace",
+        "data",
+    ] {
+        assert!(
+            out.lines().any(|l| l.trim_start().starts_with(cat)),
+            "{cat}:\n{out}"
+        );
+    }
 }

@@ -304,3 +304,95 @@ fn plans_are_validated() {
     };
     assert!(head.validate(n).unwrap_err().to_string().contains("head"));
 }
+
+/// With frozen BN, k micro-batches normalised by the window's sample count
+/// give the gradients of one batch of all the samples, uneven splits too.
+#[test]
+fn accumulation_over_micro_batches_equals_one_batch_with_frozen_bn() {
+    let config = common::tiny_config(BlockKind::Basic, [1, 1, 1, 1], 8, 10);
+    let grads = |splits: &[usize]| {
+        let pool = Pool::new();
+        let mut model = ResNet::new(&pool, config.clone()).unwrap();
+        model.set_bn_policy(BnPolicy::Frozen);
+        let (images, labels) = common::batch(&pool, 5, 5, 32, 32, 10);
+        let per = 32 * 32 * 3;
+        let plan = Plan::keep_all(&model);
+        let mut start = 0;
+        let mut loss = 0.0;
+        for &m in splits {
+            let x = pool
+                .from_f32(
+                    &[m, 32, 32, 3],
+                    &images.f32()[start * per..(start + m) * per],
+                    Category::Data,
+                    Tag::fixed("micro"),
+                )
+                .unwrap();
+            let out = forward_backward(
+                &mut model,
+                &pool,
+                &plan,
+                x,
+                &labels[start..start + m],
+                LossOptions {
+                    label_smoothing: 0.1,
+                    window_samples: Some(5),
+                },
+            )
+            .unwrap();
+            loss += out.loss * m as f64 / 5.0;
+            start += m;
+        }
+        let mut g = Vec::new();
+        model.visit_params(|p| g.extend_from_slice(p.grad.f32()));
+        (loss, g)
+    };
+    let (want_loss, want) = grads(&[5]);
+    for splits in [&[2, 2, 1][..], &[1, 4], &[3, 2]] {
+        let (loss, got) = grads(splits);
+        assert!(
+            (loss - want_loss).abs() < 1e-6,
+            "{splits:?}: {loss} vs {want_loss}"
+        );
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let worst = got
+            .iter()
+            .zip(&want)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            worst <= 1e-5 * scale,
+            "{splits:?}: worst {worst} (scale {scale})"
+        );
+    }
+}
+
+#[test]
+fn frozen_bn_affine_parameters_are_not_updated() {
+    let pool = Pool::new();
+    let config = common::tiny_config(BlockKind::Basic, [1, 1, 1, 1], 8, 10);
+    let mut model = ResNet::new(&pool, config).unwrap();
+    model.set_bn_policy(BnPolicy::Frozen);
+    let (images, labels) = common::batch(&pool, 5, 2, 32, 32, 10);
+    let plan = Plan::keep_all(&model);
+    forward_backward(
+        &mut model,
+        &pool,
+        &plan,
+        images,
+        &labels,
+        LossOptions::default(),
+    )
+    .unwrap();
+    let before = snapshot(&mut model);
+    sgd().step(&pool, &mut model).unwrap();
+    let after = snapshot(&mut model);
+    for ((name, b), (_, a)) in before.iter().zip(&after) {
+        let bn_affine =
+            name.contains("bn") && !name.contains("running") && !name.contains("num_batches");
+        if bn_affine {
+            assert!(a == b, "{name} changed");
+        } else if name == "conv1.weight" || name == "fc.weight" {
+            assert!(a != b, "{name} did not change");
+        }
+    }
+}

@@ -11,8 +11,9 @@ use memfit::data::{InMemoryDataset, SyntheticGratings, load_digits, load_fashion
 use memfit::exec::{LossOptions, Plan, forward_backward};
 use memfit::io::{TensorFile, fc_rows, load_torchvision, save_state_dict};
 use memfit::memory::{Category, MemoryStats, Pool, Tag, fmt_bytes, parse_bytes};
-use memfit::nn::{ResNet, ResNetConfig};
+use memfit::nn::{BnPolicy, ResNet, ResNetConfig};
 use memfit::optim::{AdamW, LrSchedule, Schedule, Sgd};
+use memfit::plan::{PlanRequest, Strategy, report, resolve};
 use memfit::train::{Optimizer, TrainOptions, evaluate, fit};
 
 #[derive(Parser)]
@@ -35,9 +36,50 @@ enum Command {
     Train(TrainArgs),
     /// Loss, top-1 and top-5 of saved weights on a dataset's validation split.
     Eval(EvalArgs),
+    /// Show the memory plan `train` would use with the same flags (per
+    /// stage: kept or recomputed) and its predicted peak per category,
+    /// without training.
+    Plan(TrainArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum BnKind {
+    /// Batch statistics, running stats updated (PyTorch's train mode).
+    Batch,
+    /// Running statistics and frozen affine parameters (fine-tuning with
+    /// tiny micro-batches).
+    Frozen,
+}
+
+#[derive(Args)]
+struct MemoryArgs {
+    /// Refuse to hold more than this many bytes (e.g. 4GiB, 512MB); with
+    /// --checkpoint auto, the budget the plan must fit.
+    #[arg(long)]
+    memory_budget: Option<String>,
+    /// none, segments:K (K segments of equal saved bytes, the first K-1
+    /// recomputed), stages:layer1,layer2,layer4 (recompute those parts of
+    /// the torchvision hierarchy, e.g. stem, layer3, layer3.2) or auto (the
+    /// fastest plan and largest micro-batch that fit --memory-budget).
+    #[arg(long, default_value = "none")]
+    checkpoint: String,
+    /// Samples per forward/backward; --batch-size stays the samples per
+    /// optimizer step (gradients accumulate). Default: the whole batch.
+    #[arg(long, conflicts_with = "accum_steps")]
+    micro_batch: Option<usize>,
+    /// Split each batch into this many micro-batches instead.
+    #[arg(long)]
+    accum_steps: Option<usize>,
+    /// Batch norm in training.
+    #[arg(long, value_enum, default_value = "batch")]
+    bn: BnKind,
+    /// Write the allocator timeline of the first two optimizer steps as CSV
+    /// (seconds, event, category, tensor, bytes, live_total).
+    #[arg(long)]
+    memory_trace: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -176,9 +218,8 @@ struct TrainArgs {
     /// Write the trained weights (torchvision layout) here.
     #[arg(long)]
     save_weights: Option<PathBuf>,
-    /// Refuse to hold more than this many bytes (e.g. 4GiB, 512MB).
-    #[arg(long)]
-    memory_budget: Option<String>,
+    #[command(flatten)]
+    memory: MemoryArgs,
 }
 
 #[derive(Args)]
@@ -217,7 +258,8 @@ fn run() -> Result<()> {
             .context("starting the thread pool")?;
     }
     match cli.command {
-        Command::Train(a) => train(a),
+        Command::Train(a) => train(a, false),
+        Command::Plan(a) => train(a, true),
         Command::Eval(a) => eval(a),
         Command::Bench(BenchCommand::Step(a)) => bench_step(a),
     }
@@ -374,8 +416,30 @@ fn build_model(
     Ok(ResNet::new(pool, config)?)
 }
 
-fn train(a: TrainArgs) -> Result<()> {
-    let pool = pool_for(&a.memory_budget)?;
+/// `train`, or with `plan_only` just the plan report (`memfit plan`).
+fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
+    if a.batch_size == 0 {
+        bail!("--batch-size must be at least 1");
+    }
+    let budget = a
+        .memory
+        .memory_budget
+        .as_deref()
+        .map(parse_bytes)
+        .transpose()
+        .context("--memory-budget")?;
+    let strategy: Strategy = a.memory.checkpoint.parse()?;
+    let micro_batch = match (a.memory.micro_batch, a.memory.accum_steps) {
+        (Some(m), _) => Some(m),
+        (None, Some(0)) => bail!("--accum-steps must be at least 1"),
+        (None, Some(k)) => Some(a.batch_size.div_ceil(k)),
+        (None, None) => None,
+    };
+    let bn = match a.memory.bn {
+        BnKind::Batch => BnPolicy::Batch,
+        BnKind::Frozen => BnPolicy::Frozen,
+    };
+    let pool = Pool::new();
     let (train_set, val_set, size) = load_data(&a.data, a.seed)?;
     let init = a.init.as_ref().map(TensorFile::open).transpose()?;
     // The dataset decides the classes; without --reset-head they must match --init's fc.
@@ -394,6 +458,7 @@ fn train(a: TrainArgs) -> Result<()> {
         load_torchvision(&mut model, f, a.reset_head)?;
     }
     model.check_image_size(size, size)?;
+    model.set_bn_policy(bn);
     println!(
         "training {} (base width {}, {} parameters) on {}: {} classes, {} train / {} val images at {size}x{size}",
         a.model,
@@ -435,11 +500,36 @@ fn train(a: TrainArgs) -> Result<()> {
             a.weight_decay.unwrap_or(0.01),
         )),
     };
+    let resolved = resolve(&PlanRequest {
+        config: &model.config,
+        bn,
+        optimizer: &optimizer,
+        batch: a.batch_size,
+        micro_batch,
+        image_size: size,
+        budget,
+        strategy,
+    })?;
+    if plan_only {
+        print!("{}", report(&resolved, a.batch_size));
+        return Ok(());
+    }
+    println!(
+        "plan: {} at micro-batch {} x {} step(s); predicted peak {}",
+        resolved.plan,
+        resolved.micro_batch,
+        resolved.accum_steps(a.batch_size),
+        fmt_bytes(resolved.predicted.peak_total)
+    );
+    // The hard budget from here on: the allocator refuses to cross it.
+    pool.set_budget(budget);
     let opts = TrainOptions {
         epochs: a.epochs,
         batch_size: a.batch_size,
-        micro_batch: None,
-        plan: None,
+        micro_batch: Some(resolved.micro_batch),
+        plan: Some(resolved.plan.clone()),
+        predicted_peak: Some(resolved.predicted.peak_total),
+        memory_trace: a.memory.memory_trace.clone(),
         seed: a.seed,
         shuffle: !a.no_shuffle,
         label_smoothing: a.label_smoothing,
@@ -480,6 +570,16 @@ fn train(a: TrainArgs) -> Result<()> {
     println!("trained in {:.1} s", start.elapsed().as_secs_f64());
     if let Some(last) = reports.last() {
         print_memory(&last.memory);
+        let (p, m) = (resolved.predicted.peak_total, last.memory.peak_total);
+        println!(
+            "predicted peak {} vs measured {} ({:+.2}%)",
+            fmt_bytes(p),
+            fmt_bytes(m),
+            100.0 * (m as f64 - p as f64) / p.max(1) as f64
+        );
+    }
+    if let Some(path) = &a.memory.memory_trace {
+        println!("memory trace written to {}", path.display());
     }
     if let Some(path) = &a.save_weights {
         save_state_dict(&mut model, path)?;

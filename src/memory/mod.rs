@@ -180,7 +180,10 @@ pub enum EventKind {
 /// One timeline entry.
 #[derive(Clone, Debug)]
 pub struct Event {
+    /// Seconds since recording started.
+    pub seconds: f64,
     pub kind: EventKind,
+    pub tag: Tag,
     pub id: u64,
     pub category: Category,
     pub bytes: usize,
@@ -227,6 +230,7 @@ struct PoolState {
     next_id: u64,
     entries: HashMap<u64, LiveEntry>,
     timeline: Option<Vec<Event>>,
+    timeline_start: Option<std::time::Instant>,
 }
 
 impl PoolState {
@@ -312,7 +316,9 @@ impl Pool {
 
     /// Start (or restart) recording a timeline of events.
     pub fn record_timeline(&self, on: bool) {
-        self.lock().timeline = if on { Some(Vec::new()) } else { None };
+        let mut s = self.lock();
+        s.timeline = if on { Some(Vec::new()) } else { None };
+        s.timeline_start = on.then(std::time::Instant::now);
     }
 
     pub fn timeline(&self) -> Vec<Event> {
@@ -465,8 +471,11 @@ impl Pool {
             s.at_peak = s.live;
         }
         let live_total = s.live_total;
+        let seconds = s.timeline_start.map_or(0.0, |t| t.elapsed().as_secs_f64());
         if let Some(tl) = s.timeline.as_mut() {
             tl.push(Event {
+                seconds,
+                tag: tag.clone(),
                 kind: EventKind::Alloc,
                 id,
                 category,
@@ -500,8 +509,11 @@ impl Pool {
         s.live[c] -= entry.bytes;
         s.live_total -= entry.bytes;
         let live_total = s.live_total;
+        let seconds = s.timeline_start.map_or(0.0, |t| t.elapsed().as_secs_f64());
         if let Some(tl) = s.timeline.as_mut() {
             tl.push(Event {
+                seconds,
+                tag: entry.tag.clone(),
                 kind: EventKind::Free,
                 id,
                 category: entry.category,
@@ -547,6 +559,35 @@ impl Lease {
     pub(crate) fn release(&self, storage: Storage) {
         self.pool.release(self.id, storage);
     }
+}
+
+/// Writes a timeline as CSV (`seconds,event,category,tensor,bytes,live_total`)
+/// for plotting.
+pub fn write_timeline_csv(events: &[Event], path: &std::path::Path) -> Result<()> {
+    use std::io::Write;
+    let io_err = |e: std::io::Error| Error::Io {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    };
+    let mut w = std::io::BufWriter::new(std::fs::File::create(path).map_err(io_err)?);
+    writeln!(w, "seconds,event,category,tensor,bytes,live_total").map_err(io_err)?;
+    for e in events {
+        let kind = match e.kind {
+            EventKind::Alloc => "alloc",
+            EventKind::Free => "free",
+        };
+        writeln!(
+            w,
+            "{:.6},{kind},{},{},{},{}",
+            e.seconds,
+            e.category.name(),
+            e.tag,
+            e.bytes,
+            e.live_total
+        )
+        .map_err(io_err)?;
+    }
+    w.flush().map_err(io_err)
 }
 
 /// Parses a byte size: `4GiB`, `512MB`, `1.5G`, `1048576`. Binary units

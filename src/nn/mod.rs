@@ -59,6 +59,9 @@ pub struct Param {
     pub name: String,
     pub value: Tensor,
     pub grad: Tensor,
+    /// Excluded from optimizer updates (PyTorch's `requires_grad=False`),
+    /// e.g. BN affine parameters under `BnPolicy::Frozen`.
+    pub frozen: bool,
 }
 
 impl Param {
@@ -68,6 +71,7 @@ impl Param {
             name: name.to_string(),
             value: pool.from_f32(dims, values, Category::Params, Tag::new(&prefix, ""))?,
             grad: pool.zeros_f32(dims, Category::Grads, Tag::new(&prefix, "grad"))?,
+            frozen: false,
         })
     }
 }

@@ -440,6 +440,8 @@ impl ResNet {
     pub fn set_bn_policy(&mut self, policy: BnPolicy) {
         fn set(b: &mut crate::nn::BatchNorm, p: BnPolicy) {
             b.policy = p;
+            b.weight.frozen = p == BnPolicy::Frozen;
+            b.bias.frozen = p == BnPolicy::Frozen;
         }
         for s in &mut self.stages {
             match s {

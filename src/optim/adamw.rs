@@ -137,6 +137,10 @@ impl AdamW {
                     }
                 }
             }
+            if p.frozen {
+                i += 1;
+                return;
+            }
             adamw_update(
                 p.value.f32_mut(),
                 p.grad.f32(),

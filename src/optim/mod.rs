@@ -153,6 +153,10 @@ impl Sgd {
                     }
                 }
             }
+            if p.frozen {
+                i += 1;
+                return;
+            }
             let buf = if mu == 0.0 {
                 None
             } else {

@@ -20,8 +20,10 @@
 //!   prints and `memfit train` compares with the measured peak.
 
 mod dp;
+mod resolve;
 mod strategy;
 
+pub use resolve::{PlanRequest, Resolved, report, resolve};
 pub use strategy::{Strategy, segments_plan, stages_plan};
 
 use crate::error::{Error, Result};

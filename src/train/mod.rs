@@ -12,7 +12,7 @@ use rand::{SeedableRng, rngs::ChaCha8Rng, seq::SliceRandom};
 use crate::data::InMemoryDataset;
 use crate::error::{Error, Result};
 use crate::exec::{LossOptions, Plan, StepOutput, forward_backward, forward_eval};
-use crate::memory::{Category, MemoryStats, Pool, Tag};
+use crate::memory::{Category, MemoryStats, Pool, Tag, write_timeline_csv};
 use crate::nn::ResNet;
 use crate::ops::cross_entropy::cross_entropy_forward_backward;
 pub use crate::optim::Optimizer;
@@ -38,7 +38,16 @@ pub struct TrainOptions {
     /// Evaluate every this many epochs (and always after the last).
     pub eval_every: usize,
     pub metrics_jsonl: Option<PathBuf>,
+    /// The planner's predicted peak, recorded beside the measured one.
+    pub predicted_peak: Option<usize>,
+    /// Write the allocator timeline of the first [`TRACE_STEPS`] optimizer
+    /// steps here as CSV.
+    pub memory_trace: Option<PathBuf>,
 }
+
+/// Optimizer steps a `--memory-trace` covers: the first allocates the
+/// optimizer state, the second shows the steady state.
+pub const TRACE_STEPS: usize = 2;
 
 /// Loss and accuracy on a validation set.
 #[derive(Clone, Copy, Debug)]
@@ -127,8 +136,11 @@ fn num(v: f64) -> String {
     }
 }
 
-fn memory_fields(m: &MemoryStats) -> String {
+fn memory_fields(m: &MemoryStats, predicted: Option<usize>) -> String {
     let mut s = format!("\"peak_bytes\":{}", m.peak_total);
+    if let Some(p) = predicted {
+        s += &format!(",\"predicted_peak_bytes\":{p}");
+    }
     for c in Category::ALL {
         s += &format!(",\"peak_{}_bytes\":{}", c.name(), m.peak.get(c));
     }
@@ -183,6 +195,9 @@ pub fn fit(
         .clamp(1, opts.batch_size);
     let mut rng = ChaCha8Rng::seed_from_u64(opts.seed);
     let mut reports = Vec::new();
+    if opts.memory_trace.is_some() {
+        pool.record_timeline(true);
+    }
     let mut step = 0;
     for epoch in 1..=opts.epochs {
         let mut order: Vec<usize> = (0..train.len()).collect();
@@ -229,6 +244,12 @@ pub fn fit(
             }
             let grad_norm = opts.clip_grad_norm.map(|max| clip_grad_norm(model, max));
             optimizer.step(pool, model)?;
+            if step == TRACE_STEPS
+                && let Some(path) = &opts.memory_trace
+            {
+                write_timeline_csv(&pool.timeline(), path)?;
+                pool.record_timeline(false);
+            }
             loss_sum += out.loss * idx.len() as f64;
             correct += out.correct;
             seen += idx.len();
@@ -241,7 +262,7 @@ pub fn fit(
                     num(out.loss),
                     num(lr as f64),
                     num(idx.len() as f64 / secs),
-                    memory_fields(&pool.stats())
+                    memory_fields(&pool.stats(), opts.predicted_peak)
                 )
                 .map_err(metrics_err)?;
             }
@@ -250,7 +271,9 @@ pub fn fit(
         let eval = if (epoch % opts.eval_every.max(1) == 0 || epoch == opts.epochs)
             && !val.is_empty()
         {
-            let e = evaluate(model, pool, val, opts.batch_size)?;
+            // Evaluate in micro-batches too: a full batch without saved
+            // tensors can still need more than the budget allows.
+            let e = evaluate(model, pool, val, micro)?;
             if let Some(w) = metrics.as_mut() {
                 writeln!(
                     w,
@@ -279,6 +302,12 @@ pub fn fit(
         };
         on_epoch(&report);
         reports.push(report);
+    }
+    if step < TRACE_STEPS
+        && let Some(path) = &opts.memory_trace
+    {
+        write_timeline_csv(&pool.timeline(), path)?;
+        pool.record_timeline(false);
     }
     Ok(reports)
 }

@@ -1,0 +1,200 @@
+//! From the user's request (strategy, batch, micro-batch, budget) to the
+//! plan a run uses, its predicted peak, and the report `memfit plan` prints.
+
+use std::fmt::Write;
+
+use crate::error::{Error, Result};
+use crate::exec::Plan;
+use crate::memory::{Category, MemoryStats, fmt_bytes};
+use crate::nn::{BnPolicy, ResNetConfig};
+use crate::optim::Optimizer;
+use crate::plan::{CostModel, Strategy, auto_plan, segments_plan, simulate, stages_plan};
+
+/// What a run asks of the planner.
+pub struct PlanRequest<'a> {
+    pub config: &'a ResNetConfig,
+    pub bn: BnPolicy,
+    pub optimizer: &'a Optimizer,
+    /// Samples per optimizer step.
+    pub batch: usize,
+    /// Fixed micro-batch; `None` lets `auto` choose (other strategies then
+    /// use the whole batch).
+    pub micro_batch: Option<usize>,
+    pub image_size: usize,
+    pub budget: Option<usize>,
+    pub strategy: Strategy,
+}
+
+/// The plan a run will use and what it is predicted to cost.
+pub struct Resolved {
+    pub strategy: Strategy,
+    pub plan: Plan,
+    pub micro_batch: usize,
+    pub costs: CostModel,
+    /// The whole run simulated on a shapes-only pool.
+    pub predicted: MemoryStats,
+}
+
+impl Resolved {
+    /// Micro-batches per optimizer step (the last window of an epoch may
+    /// have fewer).
+    pub fn accum_steps(&self, batch: usize) -> usize {
+        batch.div_ceil(self.micro_batch)
+    }
+}
+
+pub fn resolve(req: &PlanRequest<'_>) -> Result<Resolved> {
+    if req.batch == 0 {
+        return Err(Error::invalid("plan", "batch size must be at least 1"));
+    }
+    if let Some(m) = req.micro_batch
+        && (m == 0 || m > req.batch)
+    {
+        return Err(Error::invalid(
+            "plan",
+            format!(
+                "micro-batch {m} must be between 1 and the batch size {}",
+                req.batch
+            ),
+        ));
+    }
+    let (plan, micro, costs) = match &req.strategy {
+        Strategy::Auto => {
+            let budget = req
+                .budget
+                .ok_or_else(|| Error::invalid("--checkpoint", "auto needs --memory-budget"))?;
+            let choice = auto_plan(
+                req.config,
+                req.bn,
+                req.optimizer,
+                req.batch,
+                req.micro_batch,
+                req.image_size,
+                budget,
+            )?;
+            let costs = CostModel::measure(
+                req.config,
+                req.bn,
+                req.optimizer,
+                choice.micro_batch,
+                req.image_size,
+            )?;
+            (choice.plan, choice.micro_batch, costs)
+        }
+        other => {
+            let micro = req.micro_batch.unwrap_or(req.batch);
+            let costs =
+                CostModel::measure(req.config, req.bn, req.optimizer, micro, req.image_size)?;
+            let n = costs.stages.len();
+            let plan = match other {
+                Strategy::None => Plan::keep_all_len(n),
+                Strategy::Segments(k) => segments_plan(&costs, *k),
+                Strategy::Stages(names) => {
+                    let all: Vec<String> = costs.stages.iter().map(|s| s.name.clone()).collect();
+                    stages_plan(&all, names)?
+                }
+                Strategy::Auto => unreachable!("handled above"),
+            };
+            (plan, micro, costs)
+        }
+    };
+    let predicted = simulate(
+        req.config,
+        req.bn,
+        req.optimizer,
+        &plan,
+        micro,
+        req.image_size,
+    )?;
+    if let Some(budget) = req.budget
+        && predicted.peak_total > budget
+    {
+        return Err(Error::invalid(
+            "--memory-budget",
+            format!(
+                "plan {plan} at micro-batch {micro} needs {} but the budget is {} (try --checkpoint auto, a smaller --micro-batch, or a larger budget)",
+                fmt_bytes(predicted.peak_total),
+                fmt_bytes(budget)
+            ),
+        ));
+    }
+    Ok(Resolved {
+        strategy: req.strategy.clone(),
+        plan,
+        micro_batch: micro,
+        costs,
+        predicted,
+    })
+}
+
+/// The per-stage plan and the predicted bytes, as `memfit plan` prints them.
+pub fn report(r: &Resolved, batch: usize) -> String {
+    let mut s = String::new();
+    let c = &r.costs;
+    let _ = writeln!(
+        s,
+        "micro-batch {} x {} accumulation step(s) = batch {batch}, {}x{} images, plan {}",
+        r.micro_batch,
+        r.accum_steps(batch),
+        c.image_size,
+        c.image_size,
+        r.plan
+    );
+    let _ = writeln!(
+        s,
+        "{:<10} {:>10} {:>11} {:>11} {:>10}  action",
+        "stage", "input", "saved", "fwd GFLOP", "kept"
+    );
+    for (i, st) in c.stages.iter().enumerate() {
+        let seg = r
+            .plan
+            .segments
+            .iter()
+            .find(|g| (g.start..g.end).contains(&i))
+            .expect("plans cover every stage");
+        let (kept, action) = if !seg.recompute {
+            (st.saved, "keep".to_string())
+        } else if i == seg.start {
+            (
+                st.input,
+                format!("checkpoint input, recompute {}..{}", seg.start, seg.end),
+            )
+        } else {
+            (0, "recompute".to_string())
+        };
+        let _ = writeln!(
+            s,
+            "{:<10} {:>10} {:>11} {:>11.3} {:>10}  {action}",
+            st.name,
+            fmt_bytes(st.input),
+            fmt_bytes(st.saved),
+            st.forward_flops / 1e9,
+            fmt_bytes(kept),
+        );
+    }
+    let p = &r.predicted;
+    let _ = writeln!(
+        s,
+        "predicted peak {} (per category at the peak / own peak):",
+        fmt_bytes(p.peak_total)
+    );
+    for cat in Category::ALL {
+        let _ = writeln!(
+            s,
+            "  {:<12} {:>12} {:>12}",
+            cat.name(),
+            fmt_bytes(p.at_peak.get(cat)),
+            fmt_bytes(p.peak.get(cat))
+        );
+    }
+    let base = c.step_seconds();
+    let extra = c.recompute_seconds(&r.plan);
+    let _ = writeln!(
+        s,
+        "modelled step time: {:.2} s per micro-batch + {:.2} s recomputed forward ({:+.0}%)",
+        base,
+        extra,
+        100.0 * extra / base.max(1e-12)
+    );
+    s
+}
