@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use memfit::data::{InMemoryDataset, SyntheticGratings, load_digits, load_fashion_mnist};
-use memfit::exec::{LossOptions, Plan, forward_backward};
+use memfit::exec::{LossOptions, forward_backward};
 use memfit::io::{TensorFile, fc_rows, load_torchvision, save_state_dict};
 use memfit::memory::{Category, MemoryStats, Pool, Tag, fmt_bytes, parse_bytes};
 use memfit::nn::{BnPolicy, ResNet, ResNetConfig};
@@ -120,6 +120,12 @@ struct StepArgs {
     /// Refuse to hold more than this many bytes (e.g. 4GiB, 512MB).
     #[arg(long)]
     memory_budget: Option<String>,
+    /// Memory plan, as for train: none, segments:K, stages:..., auto.
+    #[arg(long, default_value = "none")]
+    checkpoint: String,
+    /// Samples per forward/backward (gradients accumulate over the batch).
+    #[arg(long)]
+    micro_batch: Option<usize>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -265,13 +271,6 @@ fn run() -> Result<()> {
     }
 }
 
-fn pool_for(budget: &Option<String>) -> Result<Pool> {
-    Ok(match budget {
-        Some(b) => Pool::with_budget(parse_bytes(b).context("--memory-budget")?),
-        None => Pool::new(),
-    })
-}
-
 /// Peak resident set size of this process, from /proc (Linux only).
 fn peak_rss_bytes() -> Option<usize> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
@@ -304,7 +303,13 @@ fn bench_step(a: StepArgs) -> Result<()> {
     if a.batch_size == 0 || a.steps == 0 {
         bail!("--batch-size and --steps must be at least 1");
     }
-    let pool = pool_for(&a.memory_budget)?;
+    let budget = a
+        .memory_budget
+        .as_deref()
+        .map(parse_bytes)
+        .transpose()
+        .context("--memory-budget")?;
+    let pool = Pool::new();
     let mut config = ResNetConfig::by_name(&a.model.model)?;
     config.base_width = a.model.base_width;
     config.num_classes = a.model.num_classes;
@@ -329,32 +334,56 @@ fn bench_step(a: StepArgs) -> Result<()> {
     let data = SyntheticGratings::generate(n, s, a.model.num_classes.min(1000), 1);
     let labels = data.labels.clone();
     let mut sgd = Sgd::new(0.1, 0.9, 0.0, false);
-    let plan = Plan::keep_all(&model);
+    let resolved = resolve(&PlanRequest {
+        config: &model.config,
+        bn: BnPolicy::Batch,
+        optimizer: &Optimizer::Sgd(Sgd::new(0.1, 0.9, 0.0, false)),
+        batch: n,
+        micro_batch: a.micro_batch,
+        image_size: s,
+        budget,
+        strategy: a.checkpoint.parse()?,
+    })?;
+    let (plan, micro) = (resolved.plan.clone(), resolved.micro_batch);
+    println!(
+        "plan {plan} at micro-batch {micro}; predicted peak {}",
+        fmt_bytes(resolved.predicted.peak_total)
+    );
+    pool.set_budget(budget);
     let mut times = Vec::new();
     for i in 0..a.warmup + a.steps {
         if i == a.warmup {
             pool.reset_peak();
         }
-        let images = pool.from_f32(
-            &[n, s, s, 3],
-            &data.images,
-            Category::Data,
-            Tag::fixed("batch.images"),
-        )?;
         let t = Instant::now();
         model.zero_grad();
-        let out = forward_backward(
-            &mut model,
-            &pool,
-            &plan,
-            images,
-            &labels,
-            LossOptions::default(),
-        )?;
+        let mut loss = 0.0;
+        let px = s * s * 3;
+        for start in (0..n).step_by(micro) {
+            let m = micro.min(n - start);
+            let images = pool.from_f32(
+                &[m, s, s, 3],
+                &data.images[start * px..(start + m) * px],
+                Category::Data,
+                Tag::fixed("batch.images"),
+            )?;
+            let o = forward_backward(
+                &mut model,
+                &pool,
+                &plan,
+                images,
+                &labels[start..start + m],
+                LossOptions {
+                    label_smoothing: 0.0,
+                    window_samples: Some(n),
+                },
+            )?;
+            loss += o.loss * m as f64 / n as f64;
+        }
         sgd.step(&pool, &mut model)?;
         let secs = t.elapsed().as_secs_f64();
         let kind = if i < a.warmup { "warm-up" } else { "step" };
-        println!("{kind} {}: loss {:.4}, {secs:.3} s", i + 1, out.loss);
+        println!("{kind} {}: loss {loss:.4}, {secs:.3} s", i + 1);
         if i >= a.warmup {
             times.push(secs);
         }
@@ -362,7 +391,13 @@ fn bench_step(a: StepArgs) -> Result<()> {
     times.sort_by(f64::total_cmp);
     let median = times[times.len() / 2];
     println!("median {median:.3} s/step, {:.2} img/s", n as f64 / median);
-    print_memory(&pool.stats());
+    let stats = pool.stats();
+    print_memory(&stats);
+    println!(
+        "predicted peak {} vs measured {}",
+        fmt_bytes(resolved.predicted.peak_total),
+        fmt_bytes(stats.peak_total)
+    );
     Ok(())
 }
 

@@ -188,7 +188,7 @@ pub fn report(r: &Resolved, batch: usize) -> String {
         );
     }
     let base = c.step_seconds();
-    let extra = c.recompute_seconds(&r.plan);
+    let extra = c.recompute_seconds(&r.plan) + 0.0; // an empty f64 sum is -0.0
     let _ = writeln!(
         s,
         "modelled step time: {:.2} s per micro-batch + {:.2} s recomputed forward ({:+.0}%)",
