@@ -11,7 +11,7 @@ use memfit::data::{InMemoryDataset, SyntheticGratings, load_digits, load_fashion
 use memfit::exec::{LossOptions, Plan, forward_backward};
 use memfit::io::{TensorFile, fc_rows, load_torchvision, save_state_dict};
 use memfit::memory::{Category, MemoryStats, Pool, Tag, fmt_bytes, parse_bytes};
-use memfit::nn::{ResNet, ResNetConfig};
+use memfit::nn::{ResNet, ResNetConfig, StemKind};
 use memfit::optim::{AdamW, LrSchedule, Schedule, Sgd};
 use memfit::train::{Optimizer, TrainOptions, evaluate, fit};
 
@@ -55,6 +55,10 @@ struct ModelArgs {
     /// Channels of the stem and layer1 (torchvision: 64).
     #[arg(long, default_value_t = 64)]
     base_width: usize,
+    /// imagenet (conv 7x7 stride 2 + max pool, torchvision) or small
+    /// (conv 3x3 stride 1, no max pool: for 28x28 / 32x32 images).
+    #[arg(long, value_enum, default_value = "imagenet")]
+    stem: StemArg,
     #[arg(long, default_value_t = 1000)]
     num_classes: usize,
     #[arg(long, default_value_t = 0)]
@@ -78,6 +82,21 @@ struct StepArgs {
     /// Refuse to hold more than this many bytes (e.g. 4GiB, 512MB).
     #[arg(long)]
     memory_budget: Option<String>,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum StemArg {
+    Imagenet,
+    Small,
+}
+
+impl From<StemArg> for StemKind {
+    fn from(s: StemArg) -> Self {
+        match s {
+            StemArg::Imagenet => StemKind::ImageNet,
+            StemArg::Small => StemKind::Small,
+        }
+    }
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -124,6 +143,10 @@ struct TrainArgs {
     /// Channels of the stem and layer1 (torchvision: 64).
     #[arg(long, default_value_t = 16)]
     base_width: usize,
+    /// imagenet (conv 7x7 stride 2 + max pool, torchvision) or small
+    /// (conv 3x3 stride 1, no max pool: for 28x28 / 32x32 images).
+    #[arg(long, value_enum, default_value = "imagenet")]
+    stem: StemArg,
     #[command(flatten)]
     data: DataArgs,
     #[arg(long, default_value_t = 10)]
@@ -187,6 +210,10 @@ struct EvalArgs {
     model: String,
     #[arg(long, default_value_t = 16)]
     base_width: usize,
+    /// imagenet (conv 7x7 stride 2 + max pool, torchvision) or small
+    /// (conv 3x3 stride 1, no max pool: for 28x28 / 32x32 images).
+    #[arg(long, value_enum, default_value = "imagenet")]
+    stem: StemArg,
     /// Weights to evaluate (torchvision layout, .safetensors).
     #[arg(long)]
     weights: PathBuf,
@@ -265,6 +292,7 @@ fn bench_step(a: StepArgs) -> Result<()> {
     let pool = pool_for(&a.memory_budget)?;
     let mut config = ResNetConfig::by_name(&a.model.model)?;
     config.base_width = a.model.base_width;
+    config.stem = a.model.stem.into();
     config.num_classes = a.model.num_classes;
     config.seed = a.model.seed;
     let mut model = ResNet::new(&pool, config)?;
@@ -272,9 +300,10 @@ fn bench_step(a: StepArgs) -> Result<()> {
     let params = model.param_count();
     let (n, s) = (a.batch_size, a.image_size);
     println!(
-        "{} (base width {}), {params} parameters, batch {n} at {s}x{s}, {} threads",
+        "{} (base width {}, {:?} stem), {params} parameters, batch {n} at {s}x{s}, {} threads",
         a.model.model,
         a.model.base_width,
+        StemKind::from(a.model.stem),
         rayon::current_num_threads()
     );
     let predicted_saved: usize = model.saved_bytes_per_stage(n, s, s).iter().sum();
@@ -364,11 +393,13 @@ fn build_model(
     pool: &Pool,
     name: &str,
     base_width: usize,
+    stem: StemKind,
     classes: usize,
     seed: u64,
 ) -> Result<ResNet> {
     let mut config = ResNetConfig::by_name(name)?;
     config.base_width = base_width;
+    config.stem = stem;
     config.num_classes = classes;
     config.seed = seed;
     Ok(ResNet::new(pool, config)?)
@@ -389,15 +420,23 @@ fn train(a: TrainArgs) -> Result<()> {
             f.path
         );
     }
-    let mut model = build_model(&pool, &a.model, a.base_width, classes, a.seed)?;
+    let mut model = build_model(
+        &pool,
+        &a.model,
+        a.base_width,
+        a.stem.into(),
+        classes,
+        a.seed,
+    )?;
     if let Some(f) = &init {
         load_torchvision(&mut model, f, a.reset_head)?;
     }
     model.check_image_size(size, size)?;
     println!(
-        "training {} (base width {}, {} parameters) on {}: {} classes, {} train / {} val images at {size}x{size}",
+        "training {} (base width {}, {:?} stem, {} parameters) on {}: {} classes, {} train / {} val images at {size}x{size}",
         a.model,
         a.base_width,
+        StemKind::from(a.stem),
         model.param_count(),
         a.data.data,
         classes,
@@ -491,7 +530,7 @@ fn eval(a: EvalArgs) -> Result<()> {
     let (_, val_set, size) = load_data(&a.data, a.seed)?;
     let file = TensorFile::open(&a.weights)?;
     let classes = fc_rows(&file).unwrap_or(val_set.classes);
-    let mut model = build_model(&pool, &a.model, a.base_width, classes, 0)?;
+    let mut model = build_model(&pool, &a.model, a.base_width, a.stem.into(), classes, 0)?;
     load_torchvision(&mut model, &file, false)?;
     model.check_image_size(size, size)?;
     let e = evaluate(&mut model, &pool, &val_set, a.batch_size)?;
