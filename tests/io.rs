@@ -25,7 +25,7 @@ use memfit::io::{
     RawData, TensorFile, fc_rows, load_state_dict, load_torchvision, save_state_dict,
 };
 use memfit::memory::{Category, Pool, Tag};
-use memfit::nn::{BlockKind, ResNet, ResNetConfig, StateSlot};
+use memfit::nn::{BlockKind, ResNet, ResNetConfig, StateSlot, StemKind};
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 
@@ -48,6 +48,7 @@ fn tiny_config(block: BlockKind, num_classes: usize, seed: u64) -> ResNetConfig 
         layers: [1, 1, 1, 1],
         base_width: 8,
         num_classes,
+        stem: StemKind::ImageNet,
         zero_init_residual: false,
         seed,
     }
@@ -242,6 +243,61 @@ fn round_trip_is_bit_exact_basic() {
 #[test]
 fn round_trip_is_bit_exact_bottleneck() {
     round_trip(BlockKind::Bottleneck);
+}
+
+/// The small-image stem keeps torchvision's names with a 3×3 conv1: it
+/// round-trips bit-exactly, and a file of one stem kind is refused by a
+/// model of the other with a hint naming the flag.
+#[test]
+fn small_stem_round_trips_and_other_stem_is_rejected_with_a_hint() {
+    let dir = temp_dir("small_stem");
+    let pool = Pool::new();
+    let small = |seed| ResNetConfig {
+        stem: StemKind::Small,
+        ..tiny_config(BlockKind::Basic, 10, seed)
+    };
+    let mut a = ResNet::new(&pool, small(1)).unwrap();
+    let (n, h, w) = (2, 12, 12);
+    let x: Vec<f32> = (0..n * h * w * 3).map(|i| (i % 7) as f32 - 3.0).collect();
+    let images = pool
+        .from_f32(&[n, h, w, 3], &x, Category::Data, Tag::fixed("images"))
+        .unwrap();
+    let plan = Plan::keep_all(&a);
+    forward_backward(
+        &mut a,
+        &pool,
+        &plan,
+        images,
+        &[0, 1],
+        LossOptions::default(),
+    )
+    .unwrap();
+    let want = snapshot(&mut a);
+    assert_eq!(want["conv1.weight"].0, vec![8, 3, 3, 3]);
+    let path = dir.join("small.safetensors");
+    save_state_dict(&mut a, &path).unwrap();
+    let file = TensorFile::open(&path).unwrap();
+    assert_eq!(file.f32("conv1.weight").unwrap().0, &[8, 3, 3, 3], "OIHW");
+
+    let mut b = ResNet::new(&pool, small(2)).unwrap();
+    load_torchvision(&mut b, &file, false).unwrap();
+    assert_eq!(snapshot(&mut b), want);
+
+    let mut imagenet = ResNet::new(&pool, tiny_config(BlockKind::Basic, 10, 3)).unwrap();
+    let msg = load_torchvision(&mut imagenet, &file, false)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains(
+            "the file has the small stem and the model the imagenet stem: pass --stem small"
+        ),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("'conv1.weight' has shape [8, 3, 3, 3], expected [8, 3, 7, 7]"),
+        "{msg}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

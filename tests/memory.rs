@@ -5,7 +5,7 @@ mod common;
 use memfit::Error;
 use memfit::exec::{LossOptions, Plan, forward_backward};
 use memfit::memory::{Category, EventKind, Pool, Tag};
-use memfit::nn::{BlockKind, Mode, ResNet};
+use memfit::nn::{BlockKind, Mode, ResNet, StemKind};
 use memfit::optim::Sgd;
 use std::collections::HashMap;
 
@@ -191,13 +191,27 @@ fn steady_state_training_does_no_system_allocation() {
 /// saved state plus the output.
 #[test]
 fn saved_bytes_are_exact_per_stage() {
-    for (block, layers) in [
-        (BlockKind::Bottleneck, [2, 1, 1, 1]),
-        (BlockKind::Basic, [1, 2, 1, 1]),
+    for (block, layers, stem) in [
+        (BlockKind::Bottleneck, [2, 1, 1, 1], StemKind::ImageNet),
+        (BlockKind::Basic, [1, 2, 1, 1], StemKind::ImageNet),
+        (BlockKind::Basic, [1, 2, 1, 1], StemKind::Small),
+        (BlockKind::Bottleneck, [1, 1, 1, 1], StemKind::Small),
     ] {
         let pool = Pool::new();
-        let mut model = ResNet::new(&pool, common::tiny_config(block, layers, 8, 10)).unwrap();
-        let (n, h, w) = (3, 40, 36);
+        let mut config = common::tiny_config(block, layers, 8, 10);
+        config.stem = stem;
+        let mut model = ResNet::new(&pool, config).unwrap();
+        let (n, h, w): (usize, usize, usize) = (3, 40, 36);
+        // The small stem keeps the input resolution; the ImageNet one quarters it.
+        let stem_out = match stem {
+            StemKind::Small => (h, w, 8),
+            StemKind::ImageNet => (h.div_ceil(4), w.div_ceil(4), 8),
+        };
+        assert_eq!(
+            model.stage_inputs(h, w)[1],
+            stem_out,
+            "{stem:?} stem output"
+        );
         let predicted = model.saved_bytes_per_stage(n, h, w);
         let (mut x, _) = common::batch(&pool, 3, n, h, w, 10);
         let mut kept = Vec::new();

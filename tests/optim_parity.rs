@@ -5,7 +5,7 @@
 use memfit::exec::{LossOptions, Plan, forward_backward};
 use memfit::io::{TensorFile, load_state_dict, nchw_to_nhwc};
 use memfit::memory::{Category, Pool, Tag};
-use memfit::nn::{BlockKind, ResNet, ResNetConfig, StateSlot};
+use memfit::nn::{BlockKind, ResNet, ResNetConfig, StateSlot, StemKind};
 use memfit::optim::{
     AdamW, LrSchedule, Schedule, Sgd, adamw_update, clip_grad_norm, clip_grad_norm_slices,
     grad_norm,
@@ -53,6 +53,7 @@ fn two_sgd_steps_on_tiny_resnet_match_pytorch() {
         layers: [layers[0], layers[1], layers[2], layers[3]],
         base_width: f.metadata["base_width"].parse().unwrap(),
         num_classes: f.metadata["num_classes"].parse().unwrap(),
+        stem: StemKind::ImageNet,
         zero_init_residual: false,
         seed: 0,
     };

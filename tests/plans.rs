@@ -6,7 +6,7 @@ mod common;
 
 use memfit::exec::{LossOptions, Plan, Segment, forward_backward, forward_eval};
 use memfit::memory::{Category, Pool, Tag};
-use memfit::nn::{BlockKind, BnPolicy, ResNet, ResNetConfig, StateSlot};
+use memfit::nn::{BlockKind, BnPolicy, ResNet, ResNetConfig, StateSlot, StemKind};
 use memfit::optim::{Optimizer, Sgd};
 use memfit::plan::{CostModel, Strategy, segments_plan, simulate, stages_plan};
 
@@ -100,6 +100,10 @@ fn configs() -> Vec<ResNetConfig> {
     vec![
         common::tiny_config(BlockKind::Bottleneck, [2, 1, 2, 1], 8, 10),
         common::tiny_config(BlockKind::Basic, [1, 2, 1, 1], 8, 10),
+        ResNetConfig {
+            stem: StemKind::Small,
+            ..common::tiny_config(BlockKind::Basic, [1, 1, 1, 1], 4, 10)
+        },
     ]
 }
 

@@ -5,7 +5,7 @@
 use memfit::exec::{LossOptions, Plan, forward_backward};
 use memfit::io::{TensorFile, load_state_dict, nchw_to_nhwc, nhwc_to_nchw};
 use memfit::memory::{Category, Pool, Tag};
-use memfit::nn::{BatchNorm, BlockKind, Mode, ResNet, ResNetConfig, StateSlot};
+use memfit::nn::{BatchNorm, BlockKind, Mode, ResNet, ResNetConfig, StateSlot, StemKind};
 use memfit::ops::conv2d::{ConvGeom, conv2d_backward, conv2d_forward, hwio_to_oihw, oihw_to_hwio};
 use memfit::ops::cross_entropy::cross_entropy_forward_backward;
 use memfit::ops::maxpool::{PoolGeom, maxpool_backward, maxpool_forward};
@@ -232,6 +232,8 @@ fn tiny_resnet_step(name: &str) {
         layers: [layers[0], layers[1], layers[2], layers[3]],
         base_width: f.metadata["base_width"].parse().unwrap(),
         num_classes: 10,
+        // Fixtures without a "stem" entry were made with torchvision's stem.
+        stem: StemKind::by_name(f.metadata.get("stem").map_or("imagenet", |s| s.as_str())).unwrap(),
         zero_init_residual: false,
         seed: 0,
     };

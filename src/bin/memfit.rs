@@ -11,7 +11,7 @@ use memfit::data::{InMemoryDataset, SyntheticGratings, load_digits, load_fashion
 use memfit::exec::{LossOptions, forward_backward};
 use memfit::io::{TensorFile, fc_rows, load_torchvision, save_state_dict};
 use memfit::memory::{Category, MemoryStats, Pool, Tag, fmt_bytes, parse_bytes};
-use memfit::nn::{BnPolicy, ResNet, ResNetConfig};
+use memfit::nn::{BnPolicy, ResNet, ResNetConfig, StemKind};
 use memfit::optim::{AdamW, LrSchedule, Schedule, Sgd};
 use memfit::plan::{PlanRequest, Strategy, report, resolve};
 use memfit::train::{Optimizer, TrainOptions, evaluate, fit};
@@ -97,6 +97,10 @@ struct ModelArgs {
     /// Channels of the stem and layer1 (torchvision: 64).
     #[arg(long, default_value_t = 64)]
     base_width: usize,
+    /// imagenet (conv 7x7 stride 2 + max pool, torchvision) or small
+    /// (conv 3x3 stride 1, no max pool: for 28x28 / 32x32 images).
+    #[arg(long, value_enum, default_value = "imagenet")]
+    stem: StemArg,
     #[arg(long, default_value_t = 1000)]
     num_classes: usize,
     #[arg(long, default_value_t = 0)]
@@ -126,6 +130,21 @@ struct StepArgs {
     /// Samples per forward/backward (gradients accumulate over the batch).
     #[arg(long)]
     micro_batch: Option<usize>,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum StemArg {
+    Imagenet,
+    Small,
+}
+
+impl From<StemArg> for StemKind {
+    fn from(s: StemArg) -> Self {
+        match s {
+            StemArg::Imagenet => StemKind::ImageNet,
+            StemArg::Small => StemKind::Small,
+        }
+    }
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -172,6 +191,10 @@ struct TrainArgs {
     /// Channels of the stem and layer1 (torchvision: 64).
     #[arg(long, default_value_t = 16)]
     base_width: usize,
+    /// imagenet (conv 7x7 stride 2 + max pool, torchvision) or small
+    /// (conv 3x3 stride 1, no max pool: for 28x28 / 32x32 images).
+    #[arg(long, value_enum, default_value = "imagenet")]
+    stem: StemArg,
     #[command(flatten)]
     data: DataArgs,
     #[arg(long, default_value_t = 10)]
@@ -234,6 +257,10 @@ struct EvalArgs {
     model: String,
     #[arg(long, default_value_t = 16)]
     base_width: usize,
+    /// imagenet (conv 7x7 stride 2 + max pool, torchvision) or small
+    /// (conv 3x3 stride 1, no max pool: for 28x28 / 32x32 images).
+    #[arg(long, value_enum, default_value = "imagenet")]
+    stem: StemArg,
     /// Weights to evaluate (torchvision layout, .safetensors).
     #[arg(long)]
     weights: PathBuf,
@@ -312,6 +339,7 @@ fn bench_step(a: StepArgs) -> Result<()> {
     let pool = Pool::new();
     let mut config = ResNetConfig::by_name(&a.model.model)?;
     config.base_width = a.model.base_width;
+    config.stem = a.model.stem.into();
     config.num_classes = a.model.num_classes;
     config.seed = a.model.seed;
     let mut model = ResNet::new(&pool, config)?;
@@ -319,9 +347,10 @@ fn bench_step(a: StepArgs) -> Result<()> {
     let params = model.param_count();
     let (n, s) = (a.batch_size, a.image_size);
     println!(
-        "{} (base width {}), {params} parameters, batch {n} at {s}x{s}, {} threads",
+        "{} (base width {}, {:?} stem), {params} parameters, batch {n} at {s}x{s}, {} threads",
         a.model.model,
         a.model.base_width,
+        StemKind::from(a.model.stem),
         rayon::current_num_threads()
     );
     let predicted_saved: usize = model.saved_bytes_per_stage(n, s, s).iter().sum();
@@ -441,11 +470,13 @@ fn build_model(
     pool: &Pool,
     name: &str,
     base_width: usize,
+    stem: StemKind,
     classes: usize,
     seed: u64,
 ) -> Result<ResNet> {
     let mut config = ResNetConfig::by_name(name)?;
     config.base_width = base_width;
+    config.stem = stem;
     config.num_classes = classes;
     config.seed = seed;
     Ok(ResNet::new(pool, config)?)
@@ -488,16 +519,24 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
             f.path
         );
     }
-    let mut model = build_model(&pool, &a.model, a.base_width, classes, a.seed)?;
+    let mut model = build_model(
+        &pool,
+        &a.model,
+        a.base_width,
+        a.stem.into(),
+        classes,
+        a.seed,
+    )?;
     if let Some(f) = &init {
         load_torchvision(&mut model, f, a.reset_head)?;
     }
     model.check_image_size(size, size)?;
     model.set_bn_policy(bn);
     println!(
-        "training {} (base width {}, {} parameters) on {}: {} classes, {} train / {} val images at {size}x{size}",
+        "training {} (base width {}, {:?} stem, {} parameters) on {}: {} classes, {} train / {} val images at {size}x{size}",
         a.model,
         a.base_width,
+        StemKind::from(a.stem),
         model.param_count(),
         a.data.data,
         classes,
@@ -628,7 +667,7 @@ fn eval(a: EvalArgs) -> Result<()> {
     let (_, val_set, size) = load_data(&a.data, a.seed)?;
     let file = TensorFile::open(&a.weights)?;
     let classes = fc_rows(&file).unwrap_or(val_set.classes);
-    let mut model = build_model(&pool, &a.model, a.base_width, classes, 0)?;
+    let mut model = build_model(&pool, &a.model, a.base_width, a.stem.into(), classes, 0)?;
     load_torchvision(&mut model, &file, false)?;
     model.check_image_size(size, size)?;
     let e = evaluate(&mut model, &pool, &val_set, a.batch_size)?;

@@ -4,7 +4,7 @@ use std::collections::BTreeSet;
 
 use crate::error::{Error, Result};
 use crate::io::{RawData, RawTensor, TensorFile};
-use crate::nn::{ResNet, StateSlot};
+use crate::nn::{ResNet, StateSlot, StemKind};
 
 /// How many problems one error lists before summarising the rest.
 const MAX_LISTED: usize = 20;
@@ -148,6 +148,29 @@ fn hints(model: &mut ResNet, file: &TensorFile, fc_mismatch: bool) -> Vec<String
             "the file has {} blocks and the model {} blocks: is it another ResNet depth?",
             kind(file_bottleneck),
             kind(model_bottleneck)
+        ));
+    }
+    // conv1 is 7×7 in torchvision's ImageNet stem and 3×3 in the small one.
+    let stem_of_file = file
+        .tensors
+        .get("conv1.weight")
+        .and_then(|t| match t.shape[..] {
+            [_, _, 7, 7] => Some(StemKind::ImageNet),
+            [_, _, 3, 3] => Some(StemKind::Small),
+            _ => None,
+        });
+    if let Some(stem) = stem_of_file
+        && stem != model.config.stem
+    {
+        let flag = |s: StemKind| match s {
+            StemKind::ImageNet => "imagenet",
+            StemKind::Small => "small",
+        };
+        out.push(format!(
+            "the file has the {} stem and the model the {} stem: pass --stem {}",
+            flag(stem),
+            flag(model.config.stem),
+            flag(stem)
         ));
     }
     out

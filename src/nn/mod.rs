@@ -13,7 +13,7 @@ pub use block::{BasicBlock, BasicSaved, Bottleneck, BottleneckSaved};
 pub use head::{Head, HeadSaved};
 pub use layers::{BatchNorm, BnStats, Conv, Linear};
 pub use resnet::{BlockKind, ResNet, ResNetConfig, Saved, Stage, StateSlot, WeightLayout};
-pub use stem::{Stem, StemSaved};
+pub use stem::{Stem, StemKind, StemSaved};
 
 use rand::{RngExt, rngs::ChaCha8Rng};
 

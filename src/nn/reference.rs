@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 
-use crate::nn::{BlockKind, ResNet, ResNetConfig, StateSlot};
+use crate::nn::{BlockKind, ResNet, ResNetConfig, StateSlot, StemKind};
 use crate::ops::avgpool::avgpool_ref;
 use crate::ops::batchnorm::bn_forward_ref;
 use crate::ops::conv2d::{ConvGeom, conv2d_ref};
@@ -96,22 +96,30 @@ pub fn loss_ref(
         w,
         c: 3,
     };
-    a = cx.bn(cx.conv(&a, "conv1", base, 7, 2, 3), "bn1", true);
-    let g = PoolGeom {
-        n,
-        h: a.h,
-        w: a.w,
-        c: a.c,
-        k: 3,
-        stride: 2,
-        pad: 1,
+    // Written out here rather than asked of `StemKind`, so the reference
+    // stays independent of the stage code.
+    let (k, stride, pad, maxpool) = match config.stem {
+        StemKind::ImageNet => (7, 2, 3, true),
+        StemKind::Small => (3, 1, 1, false),
     };
-    a = Act {
-        v: maxpool_ref(&a.v, &g).0,
-        h: g.oh(),
-        w: g.ow(),
-        c: a.c,
-    };
+    a = cx.bn(cx.conv(&a, "conv1", base, k, stride, pad), "bn1", true);
+    if maxpool {
+        let g = PoolGeom {
+            n,
+            h: a.h,
+            w: a.w,
+            c: a.c,
+            k: 3,
+            stride: 2,
+            pad: 1,
+        };
+        a = Act {
+            v: maxpool_ref(&a.v, &g).0,
+            h: g.oh(),
+            w: g.ow(),
+            c: a.c,
+        };
+    }
     let exp = config.expansion();
     for (li, &blocks) in config.layers.iter().enumerate() {
         let planes = base << li;

@@ -7,7 +7,7 @@ use crate::error::{Error, Result};
 use crate::memory::Pool;
 use crate::nn::{
     BasicBlock, BasicSaved, BnPolicy, Bottleneck, BottleneckSaved, Head, HeadSaved, Mode, Param,
-    Stem, StemSaved,
+    Stem, StemKind, StemSaved,
 };
 use crate::tensor::Tensor;
 
@@ -25,6 +25,9 @@ pub struct ResNetConfig {
     /// Channels of the stem and of layer1's `planes` (64 in torchvision).
     pub base_width: usize,
     pub num_classes: usize,
+    /// The stem: torchvision's ImageNet stem, or the small-image one for
+    /// 28×28 / 32×32 inputs.
+    pub stem: StemKind,
     /// Start the last BN of every block at weight 0 (each block begins as
     /// the identity), torchvision's `zero_init_residual`.
     pub zero_init_residual: bool,
@@ -38,6 +41,7 @@ impl ResNetConfig {
             layers,
             base_width: 64,
             num_classes: 1000,
+            stem: StemKind::ImageNet,
             zero_init_residual: false,
             seed: 0,
         }
@@ -383,7 +387,12 @@ impl ResNet {
             ));
         }
         let mut rng = ChaCha8Rng::seed_from_u64(config.seed);
-        let mut stages = vec![Stage::Stem(Stem::new(pool, &mut rng, config.base_width)?)];
+        let mut stages = vec![Stage::Stem(Stem::new(
+            pool,
+            &mut rng,
+            config.base_width,
+            config.stem,
+        )?)];
         let mut cin = config.base_width;
         for (li, &blocks) in config.layers.iter().enumerate() {
             let planes = config.base_width << li;

@@ -1,24 +1,78 @@
-//! The ImageNet stem: conv 7×7 stride 2 → BN → ReLU → max pool 3×3 stride 2.
+//! The stem, in two kinds: torchvision's ImageNet stem (conv 7×7 stride 2 →
+//! BN → ReLU → max pool 3×3 stride 2, a quarter of the input side) and the
+//! small-image (CIFAR-style) stem (conv 3×3 stride 1 → BN → ReLU, full
+//! resolution), which keeps 28×28 or 32×32 inputs large enough for layer4.
+//! Both name their parameters `conv1` and `bn1`, as torchvision does.
 
 use rand::rngs::ChaCha8Rng;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::memory::{Category, Pool, Tag};
 use crate::nn::{BatchNorm, BnStats, Conv, Mode};
 use crate::ops::maxpool::{self, PoolGeom};
-use crate::tensor::Tensor;
+use crate::ops::relu;
+use crate::tensor::{DType, Tensor};
+
+/// Which stem the network starts with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum StemKind {
+    /// torchvision: conv 7×7 stride 2 pad 3 → BN → ReLU → max pool 3×3
+    /// stride 2 pad 1.
+    #[default]
+    ImageNet,
+    /// Small images (CIFAR-style, as timm and kuangliu/pytorch-cifar use):
+    /// conv 3×3 stride 1 pad 1 → BN → ReLU, no max pool.
+    Small,
+}
+
+impl StemKind {
+    /// `imagenet` or `small`.
+    pub fn by_name(name: &str) -> Result<Self> {
+        match name {
+            "imagenet" => Ok(StemKind::ImageNet),
+            "small" => Ok(StemKind::Small),
+            _ => Err(Error::invalid(
+                "stem",
+                format!("unknown stem '{name}' (choose imagenet or small)"),
+            )),
+        }
+    }
+
+    /// (kernel, stride, pad) of conv1.
+    pub fn conv_geometry(self) -> (usize, usize, usize) {
+        match self {
+            StemKind::ImageNet => (7, 2, 3),
+            StemKind::Small => (3, 1, 1),
+        }
+    }
+
+    /// Whether the 3×3 stride 2 max pool follows the ReLU.
+    pub fn has_maxpool(self) -> bool {
+        self == StemKind::ImageNet
+    }
+}
 
 pub struct Stem {
+    pub kind: StemKind,
     pub conv1: Conv,
     pub bn1: BatchNorm,
+}
+
+/// What follows conv1 and BN in the saved state, by stem kind.
+enum StemTail {
+    /// (n, h', w', c) ReLU output: BN's ReLU mask and the max pool's input.
+    Pool { a: Tensor },
+    /// (n, h', w', c) bits: ReLU passed. The ReLU output itself is the stage
+    /// output, which the next stage keeps.
+    Mask { mask: Tensor },
 }
 
 /// What `Stem::backward` needs.
 pub struct StemSaved {
     x: Tensor,   // (n, h, w, 3)        the images; conv1's weight gradient
-    y: Tensor,   // (n, h/2, w/2, c)    conv1 output, BN input
+    y: Tensor,   // (n, h', w', c)      conv1 output, BN input
     bn: BnStats, // (c)
-    a: Tensor,   // (n, h/2, w/2, c)    ReLU output: BN mask and pool input
+    tail: StemTail,
 }
 
 impl StemSaved {
@@ -28,14 +82,20 @@ impl StemSaved {
     }
 
     pub fn bytes(&self) -> usize {
-        self.x.bytes() + self.y.bytes() + self.bn.bytes() + self.a.bytes()
+        let tail = match &self.tail {
+            StemTail::Pool { a } => a.bytes(),
+            StemTail::Mask { mask } => mask.bytes(),
+        };
+        self.x.bytes() + self.y.bytes() + self.bn.bytes() + tail
     }
 }
 
 impl Stem {
-    pub fn new(pool: &Pool, rng: &mut ChaCha8Rng, width: usize) -> Result<Self> {
+    pub fn new(pool: &Pool, rng: &mut ChaCha8Rng, width: usize, kind: StemKind) -> Result<Self> {
+        let (k, stride, pad) = kind.conv_geometry();
         Ok(Stem {
-            conv1: Conv::new(pool, rng, "conv1", 3, width, 7, 2, 3)?,
+            kind,
+            conv1: Conv::new(pool, rng, "conv1", 3, width, k, stride, pad)?,
             bn1: BatchNorm::new(pool, "bn1", width, false)?,
         })
     }
@@ -55,6 +115,9 @@ impl Stem {
     /// (h, w, c) of the output for an (h, w) input.
     pub fn out_hwc(&self, h: usize, w: usize) -> (usize, usize, usize) {
         let g = self.conv1.geom(1, h, w);
+        if !self.kind.has_maxpool() {
+            return (g.oh(), g.ow(), self.conv1.cout);
+        }
         let p = Self::pool_geom(1, g.oh(), g.ow(), self.conv1.cout);
         (p.oh(), p.ow(), self.conv1.cout)
     }
@@ -66,6 +129,25 @@ impl Stem {
         mode: Mode,
     ) -> Result<(Tensor, Option<StemSaved>)> {
         let y = self.conv1.forward(pool, &x, "y")?;
+        if self.kind == StemKind::Small {
+            let (mut a, bn) = self.bn1.forward(pool, &y, false, mode, "a")?;
+            let mut mask = pool.empty(
+                &[a.numel()],
+                DType::Bits,
+                Category::Activations,
+                Tag::fixed("bn1.relu_mask"),
+            )?;
+            if pool.computes() {
+                relu::relu_mask_forward(a.f32_mut(), mask.bits_mut());
+            }
+            let saved = mode.saves().then_some(StemSaved {
+                x,
+                y,
+                bn,
+                tail: StemTail::Mask { mask },
+            });
+            return Ok((a, saved));
+        }
         let (a, bn) = self.bn1.forward(pool, &y, true, mode, "a")?;
         let (n, h, w, c) = a.shape().nhwc();
         let g = Self::pool_geom(n, h, w, c);
@@ -78,32 +160,56 @@ impl Stem {
         if pool.computes() {
             maxpool::maxpool_forward(out.f32_mut(), a.f32(), &g);
         }
-        let saved = mode.saves().then_some(StemSaved { x, y, bn, a });
+        let saved = mode.saves().then_some(StemSaved {
+            x,
+            y,
+            bn,
+            tail: StemTail::Pool { a },
+        });
         Ok((out, saved))
     }
 
     /// The images need no gradient, so this returns nothing.
-    pub fn backward(&mut self, pool: &Pool, saved: StemSaved, d_out: Tensor) -> Result<()> {
-        let StemSaved { x, y, bn, a } = saved;
-        let (n, h, w, c) = a.shape().nhwc();
-        let mut d_a = pool.empty_f32(a.dims(), Category::Activations, Tag::fixed("maxpool.dx"))?;
-        if pool.computes() {
-            maxpool::maxpool_backward(
-                d_a.f32_mut(),
-                d_out.f32(),
-                a.f32(),
-                &Self::pool_geom(n, h, w, c),
-            );
-        }
-        drop(d_out);
-        let d_y = self.bn1.backward(pool, &d_a, &y, &bn, Some(&a))?;
-        drop((d_a, a));
+    pub fn backward(&mut self, pool: &Pool, saved: StemSaved, mut d_out: Tensor) -> Result<()> {
+        let StemSaved { x, y, bn, tail } = saved;
+        let d_y = match tail {
+            StemTail::Mask { mask } => {
+                if pool.computes() {
+                    relu::relu_mask_backward_inplace(d_out.f32_mut(), mask.bits());
+                }
+                drop(mask);
+                let d_y = self.bn1.backward(pool, &d_out, &y, &bn, None)?;
+                drop(d_out);
+                d_y
+            }
+            StemTail::Pool { a } => {
+                let (n, h, w, c) = a.shape().nhwc();
+                let mut d_a =
+                    pool.empty_f32(a.dims(), Category::Activations, Tag::fixed("maxpool.dx"))?;
+                if pool.computes() {
+                    maxpool::maxpool_backward(
+                        d_a.f32_mut(),
+                        d_out.f32(),
+                        a.f32(),
+                        &Self::pool_geom(n, h, w, c),
+                    );
+                }
+                drop(d_out);
+                let d_y = self.bn1.backward(pool, &d_a, &y, &bn, Some(&a))?;
+                drop((d_a, a));
+                d_y
+            }
+        };
         self.conv1.backward(pool, &d_y, &x, None)
     }
 
     /// Closed form of `StemSaved::bytes` for a batch of n (h, w) images.
     pub fn saved_bytes(&self, n: usize, h: usize, w: usize) -> usize {
         let g = self.conv1.geom(n, h, w);
-        4 * (g.input_len() + 2 * g.output_len()) + self.bn1.stats_bytes()
+        let tail = match self.kind {
+            StemKind::ImageNet => 4 * g.output_len(),
+            StemKind::Small => g.output_len().div_ceil(8),
+        };
+        4 * (g.input_len() + g.output_len()) + tail + self.bn1.stats_bytes()
     }
 }

@@ -53,6 +53,28 @@ pub fn add_relu_forward(x: &mut [f32], residual: &[f32], mask: &mut [u8]) {
         });
 }
 
+/// In place: x = max(x, 0), and bit i of `mask` = (x_i > 0). A ReLU whose
+/// output is kept by the next stage remembers only this mask.
+pub fn relu_mask_forward(x: &mut [f32], mask: &mut [u8]) {
+    assert_eq!(
+        mask.len(),
+        x.len().div_ceil(8),
+        "relu_mask_forward: mask length"
+    );
+    x.par_chunks_mut(CHUNK)
+        .zip(mask.par_chunks_mut(CHUNK / 8))
+        .for_each(|(x, mask)| {
+            mask.fill(0);
+            for (i, v) in x.iter_mut().enumerate() {
+                if *v > 0.0 {
+                    mask[i / 8] |= 1 << (i % 8);
+                } else {
+                    *v = 0.0;
+                }
+            }
+        });
+}
+
 /// dx = dy where the mask bit is set, else 0 (overwrites dx).
 pub fn relu_mask_backward(dx: &mut [f32], dy: &[f32], mask: &[u8]) {
     dx.par_chunks_mut(CHUNK)
@@ -126,6 +148,19 @@ mod tests {
         let mut inplace = dy.clone();
         relu_mask_backward_inplace(&mut inplace, &mask);
         assert_close("add_relu dx in place", &inplace, &want, 0.0, 0.0);
+
+        let mut r = x.clone();
+        let mut mask = vec![0xff; n.div_ceil(8)];
+        relu_mask_forward(&mut r, &mut mask);
+        assert_close("relu_mask", &r, &relu_ref(&to_f64(&x)), 0.0, 0.0);
+        let mut dx = vec![9.0; n];
+        relu_mask_backward(&mut dx, &dy, &mask);
+        let want: Vec<f64> = x
+            .iter()
+            .zip(&dy)
+            .map(|(&a, &g)| if a > 0.0 { g as f64 } else { 0.0 })
+            .collect();
+        assert_close("relu_mask dx", &dx, &want, 0.0, 0.0);
     }
 
     #[test]

@@ -2,7 +2,7 @@
 #![allow(dead_code)]
 
 use memfit::memory::{Category, Pool, Tag};
-use memfit::nn::{BlockKind, ResNetConfig};
+use memfit::nn::{BlockKind, ResNetConfig, StemKind};
 use memfit::tensor::Tensor;
 use rand::{RngExt, SeedableRng, rngs::ChaCha8Rng};
 
@@ -17,6 +17,7 @@ pub fn tiny_config(
         layers,
         base_width,
         num_classes: classes,
+        stem: StemKind::ImageNet,
         zero_init_residual: false,
         seed: 7,
     }
