@@ -291,3 +291,45 @@ fn plan_prints_stages_and_predicted_categories() {
         );
     }
 }
+
+#[test]
+fn bench_strategies_tables_every_strategy_with_its_prediction() {
+    let csv = std::env::temp_dir().join(format!("memfit-strategies-{}.csv", std::process::id()));
+    let (code, out, err) = memfit(&[
+        "--threads",
+        "2",
+        "bench",
+        "strategies",
+        "--model",
+        "resnet18",
+        "--base-width",
+        "4",
+        "--num-classes",
+        "10",
+        "--image-size",
+        "96",
+        "--batch-size",
+        "4",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--csv",
+        csv.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "stderr:\n{err}");
+    let rows: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with("| ") && !l.starts_with("| strategy"))
+        .collect();
+    assert_eq!(rows.len(), 6, "{out}");
+    for row in &rows {
+        let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+        // | strategy | plan | micro | peak | act | mem ratio | s | time ratio | predicted |
+        assert_eq!(cells[4], cells[9], "measured vs predicted peak: {row}");
+    }
+    assert!(rows[0].contains("| 1.00 |"), "{}", rows[0]);
+    let written = std::fs::read_to_string(&csv).unwrap();
+    assert_eq!(written.lines().count(), 7, "{written}");
+    std::fs::remove_file(&csv).ok();
+}

@@ -13,7 +13,7 @@ use memfit::io::{TensorFile, fc_rows, load_torchvision, save_state_dict};
 use memfit::memory::{Category, MemoryStats, Pool, Tag, fmt_bytes, parse_bytes};
 use memfit::nn::{BnPolicy, ResNet, ResNetConfig, StemKind};
 use memfit::optim::{AdamW, LrSchedule, Schedule, Sgd};
-use memfit::plan::{PlanRequest, Strategy, report, resolve};
+use memfit::plan::{PlanRequest, Strategy, report, resolve, simulate_training};
 use memfit::train::{Optimizer, TrainOptions, evaluate, fit};
 
 #[derive(Parser)]
@@ -87,9 +87,31 @@ enum BenchCommand {
     /// Time forward + backward + SGD steps on synthetic data and report the
     /// tracked memory peak per category.
     Step(StepArgs),
+    /// One `bench step` per memory strategy (none, segments:2/4/8,
+    /// stages:layer1,layer2,layer4, micro-batch batch/4), as one table of
+    /// measured peak, memory and time ratios vs none, and predicted peak.
+    Strategies(StrategiesArgs),
 }
 
 #[derive(Args)]
+struct StrategiesArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[arg(long, default_value_t = 224)]
+    image_size: usize,
+    #[arg(long, default_value_t = 16)]
+    batch_size: usize,
+    /// Timed steps per strategy.
+    #[arg(long, default_value_t = 2)]
+    steps: usize,
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    /// Also write the table as CSV here.
+    #[arg(long)]
+    csv: Option<PathBuf>,
+}
+
+#[derive(Args, Clone)]
 struct ModelArgs {
     /// resnet18, resnet34, resnet50, resnet101 or resnet152.
     #[arg(long, default_value = "resnet50")]
@@ -295,6 +317,7 @@ fn run() -> Result<()> {
         Command::Plan(a) => train(a, true),
         Command::Eval(a) => eval(a),
         Command::Bench(BenchCommand::Step(a)) => bench_step(a),
+        Command::Bench(BenchCommand::Strategies(a)) => bench_strategies(a),
     }
 }
 
@@ -326,7 +349,28 @@ fn print_memory(stats: &MemoryStats) {
     }
 }
 
+/// What one `bench step` measured.
+struct StepResult {
+    plan: String,
+    micro_batch: usize,
+    median_seconds: f64,
+    measured: MemoryStats,
+    predicted: usize,
+}
+
 fn bench_step(a: StepArgs) -> Result<()> {
+    let r = measure_steps(&a, true)?;
+    print_memory(&r.measured);
+    println!(
+        "predicted peak {} vs measured {}",
+        fmt_bytes(r.predicted),
+        fmt_bytes(r.measured.peak_total)
+    );
+    Ok(())
+}
+
+/// Runs warm-up + timed steps of `a` on a fixed synthetic batch.
+fn measure_steps(a: &StepArgs, verbose: bool) -> Result<StepResult> {
     if a.batch_size == 0 || a.steps == 0 {
         bail!("--batch-size and --steps must be at least 1");
     }
@@ -374,9 +418,19 @@ fn bench_step(a: StepArgs) -> Result<()> {
         strategy: a.checkpoint.parse()?,
     })?;
     let (plan, micro) = (resolved.plan.clone(), resolved.micro_batch);
+    // The bench runs training steps only: predict those, without evaluation.
+    let predicted = simulate_training(
+        &model.config,
+        BnPolicy::Batch,
+        &Optimizer::Sgd(Sgd::new(0.1, 0.9, 0.0, false)),
+        &plan,
+        micro,
+        s,
+    )?
+    .peak_total;
     println!(
         "plan {plan} at micro-batch {micro}; predicted peak {}",
-        fmt_bytes(resolved.predicted.peak_total)
+        fmt_bytes(predicted)
     );
     pool.set_budget(budget);
     let mut times = Vec::new();
@@ -412,7 +466,9 @@ fn bench_step(a: StepArgs) -> Result<()> {
         sgd.step(&pool, &mut model)?;
         let secs = t.elapsed().as_secs_f64();
         let kind = if i < a.warmup { "warm-up" } else { "step" };
-        println!("{kind} {}: loss {loss:.4}, {secs:.3} s", i + 1);
+        if verbose {
+            println!("{kind} {}: loss {loss:.4}, {secs:.3} s", i + 1);
+        }
         if i >= a.warmup {
             times.push(secs);
         }
@@ -420,13 +476,95 @@ fn bench_step(a: StepArgs) -> Result<()> {
     times.sort_by(f64::total_cmp);
     let median = times[times.len() / 2];
     println!("median {median:.3} s/step, {:.2} img/s", n as f64 / median);
-    let stats = pool.stats();
-    print_memory(&stats);
+    Ok(StepResult {
+        plan: plan.to_string(),
+        micro_batch: micro,
+        median_seconds: median,
+        measured: pool.stats(),
+        predicted,
+    })
+}
+
+fn bench_strategies(a: StrategiesArgs) -> Result<()> {
+    let quarter = (a.batch_size / 4).max(1);
+    let rows: Vec<(String, String, Option<usize>)> = [
+        ("none", "none", None),
+        ("segments:2", "segments:2", None),
+        ("segments:4", "segments:4", None),
+        ("segments:8", "segments:8", None),
+        (
+            "stages:layer1,layer2,layer4",
+            "stages:layer1,layer2,layer4",
+            None,
+        ),
+    ]
+    .iter()
+    .map(|(n, c, m)| (n.to_string(), c.to_string(), *m))
+    .chain(std::iter::once((
+        format!("micro-batch {quarter}"),
+        "none".to_string(),
+        Some(quarter),
+    )))
+    .collect();
     println!(
-        "predicted peak {} vs measured {}",
-        fmt_bytes(resolved.predicted.peak_total),
-        fmt_bytes(stats.peak_total)
+        "{} (base width {}), batch {} at {}x{}, {} threads, {} timed step(s) each",
+        a.model.model,
+        a.model.base_width,
+        a.batch_size,
+        a.image_size,
+        a.image_size,
+        rayon::current_num_threads(),
+        a.steps
     );
+    let mut results = Vec::new();
+    for (name, checkpoint, micro) in &rows {
+        let step = StepArgs {
+            model: a.model.clone(),
+            image_size: a.image_size,
+            batch_size: a.batch_size,
+            steps: a.steps,
+            warmup: a.warmup,
+            memory_budget: None,
+            checkpoint: checkpoint.clone(),
+            micro_batch: *micro,
+        };
+        eprintln!("running {name} ...");
+        results.push((name.clone(), measure_steps(&step, false)?));
+    }
+    let (base_peak, base_time) = (
+        results[0].1.measured.peak_total as f64,
+        results[0].1.median_seconds,
+    );
+    let header = "| strategy | plan | micro-batch | peak | activations at peak | memory ratio | s/step | time ratio | predicted peak |";
+    println!("{header}\n|---|---|---|---|---|---|---|---|---|");
+    let mut csv = String::from(
+        "strategy,plan,micro_batch,peak_bytes,activations_bytes,memory_ratio,seconds_per_step,time_ratio,predicted_peak_bytes\n",
+    );
+    for (name, r) in &results {
+        let m = &r.measured;
+        let act = m.at_peak.get(Category::Activations);
+        let (mr, tr) = (
+            m.peak_total as f64 / base_peak,
+            r.median_seconds / base_time,
+        );
+        println!(
+            "| {name} | {} | {} | {} | {} | {mr:.2} | {:.3} | {tr:.2} | {} |",
+            r.plan,
+            r.micro_batch,
+            fmt_bytes(m.peak_total),
+            fmt_bytes(act),
+            r.median_seconds,
+            fmt_bytes(r.predicted)
+        );
+        csv += &format!(
+            "\"{name}\",\"{}\",{},{},{act},{mr:.4},{:.4},{tr:.4},{}\n",
+            r.plan, r.micro_batch, m.peak_total, r.median_seconds, r.predicted
+        );
+    }
+    if let Some(path) = &a.csv {
+        std::fs::write(path, csv).with_context(|| format!("writing {}", path.display()))?;
+        println!("wrote {}", path.display());
+    }
     Ok(())
 }
 

@@ -294,6 +294,31 @@ pub fn simulate(
     micro_batch: usize,
     image_size: usize,
 ) -> Result<MemoryStats> {
+    simulate_run(config, bn, optimizer, plan, micro_batch, image_size, true)
+}
+
+/// [`simulate`] without the evaluation batch: what `memfit bench step`
+/// (training steps only) allocates.
+pub fn simulate_training(
+    config: &ResNetConfig,
+    bn: BnPolicy,
+    optimizer: &Optimizer,
+    plan: &Plan,
+    micro_batch: usize,
+    image_size: usize,
+) -> Result<MemoryStats> {
+    simulate_run(config, bn, optimizer, plan, micro_batch, image_size, false)
+}
+
+fn simulate_run(
+    config: &ResNetConfig,
+    bn: BnPolicy,
+    optimizer: &Optimizer,
+    plan: &Plan,
+    micro_batch: usize,
+    image_size: usize,
+    eval: bool,
+) -> Result<MemoryStats> {
     let pool = Pool::shapes_only();
     let mut model = ResNet::new(&pool, train_config(config))?;
     model.set_bn_policy(bn);
@@ -317,7 +342,9 @@ pub fn simulate(
         )?;
         opt.step(&pool, &mut model)?;
     }
-    eval_batch(&mut model, &pool, micro_batch, image_size)?;
+    if eval {
+        eval_batch(&mut model, &pool, micro_batch, image_size)?;
+    }
     Ok(pool.stats())
 }
 
