@@ -333,3 +333,41 @@ fn bench_strategies_tables_every_strategy_with_its_prediction() {
     assert_eq!(written.lines().count(), 7, "{written}");
     std::fs::remove_file(&csv).ok();
 }
+
+#[test]
+fn bench_max_batch_grows_with_recomputation() {
+    let (code, out, err) = memfit(&[
+        "bench",
+        "max-batch",
+        "--model",
+        "resnet18",
+        "--base-width",
+        "8",
+        "--num-classes",
+        "10",
+        "--image-size",
+        "64",
+        "--memory-budget",
+        "64MiB",
+    ]);
+    assert_eq!(code, 0, "stderr:\n{err}");
+    let batch = |name: &str| -> usize {
+        let row = out
+            .lines()
+            .find(|l| l.starts_with(&format!("| {name} |")))
+            .unwrap_or_else(|| panic!("no {name} row:\n{out}"));
+        row.split('|').nth(2).unwrap().trim().parse().unwrap()
+    };
+    let none = batch("none");
+    assert!(none > 0, "{out}");
+    for s in [
+        "segments:2",
+        "segments:4",
+        "segments:8",
+        "stages:layer1,layer2,layer4",
+    ] {
+        assert!(batch(s) >= none, "{s}:\n{out}");
+        assert!(batch("auto") >= batch(s), "auto vs {s}:\n{out}");
+    }
+    assert!(batch("segments:4") > none, "{out}");
+}

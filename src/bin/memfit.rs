@@ -91,6 +91,21 @@ enum BenchCommand {
     /// stages:layer1,layer2,layer4, micro-batch batch/4), as one table of
     /// measured peak, memory and time ratios vs none, and predicted peak.
     Strategies(StrategiesArgs),
+    /// The largest batch (no accumulation) whose predicted peak fits a
+    /// budget, per strategy; predicted on the shapes-only simulator, no
+    /// training.
+    MaxBatch(MaxBatchArgs),
+}
+
+#[derive(Args)]
+struct MaxBatchArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[arg(long, default_value_t = 224)]
+    image_size: usize,
+    /// The budget, e.g. 4GiB.
+    #[arg(long)]
+    memory_budget: String,
 }
 
 #[derive(Args)]
@@ -318,6 +333,7 @@ fn run() -> Result<()> {
         Command::Eval(a) => eval(a),
         Command::Bench(BenchCommand::Step(a)) => bench_step(a),
         Command::Bench(BenchCommand::Strategies(a)) => bench_strategies(a),
+        Command::Bench(BenchCommand::MaxBatch(a)) => bench_max_batch(a),
     }
 }
 
@@ -564,6 +580,79 @@ fn bench_strategies(a: StrategiesArgs) -> Result<()> {
     if let Some(path) = &a.csv {
         std::fs::write(path, csv).with_context(|| format!("writing {}", path.display()))?;
         println!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+fn bench_max_batch(a: MaxBatchArgs) -> Result<()> {
+    let budget = parse_bytes(&a.memory_budget).context("--memory-budget")?;
+    let mut config = ResNetConfig::by_name(&a.model.model)?;
+    config.base_width = a.model.base_width;
+    config.stem = a.model.stem.into();
+    config.num_classes = a.model.num_classes;
+    let optimizer = Optimizer::Sgd(Sgd::new(0.1, 0.9, 0.0, false));
+    let fits = |strategy: &str, batch: usize| -> Result<Option<usize>> {
+        let request = PlanRequest {
+            config: &config,
+            bn: BnPolicy::Batch,
+            optimizer: &optimizer,
+            batch,
+            micro_batch: Some(batch),
+            image_size: a.image_size,
+            budget: Some(budget),
+            strategy: strategy.parse()?,
+        };
+        match resolve(&request) {
+            Ok(r) => Ok(Some(r.predicted.peak_total)),
+            Err(memfit::Error::BudgetTooSmall { .. } | memfit::Error::InvalidArgument { .. }) => {
+                Ok(None)
+            }
+            Err(e) => Err(e.into()),
+        }
+    };
+    println!(
+        "{} (base width {}), {}x{}, fp32, SGD with momentum, budget {}: largest batch with no accumulation",
+        a.model.model,
+        a.model.base_width,
+        a.image_size,
+        a.image_size,
+        fmt_bytes(budget)
+    );
+    println!("| strategy | largest batch | predicted peak | vs none |\n|---|---|---|---|");
+    let mut none = None;
+    for strategy in [
+        "none",
+        "segments:2",
+        "segments:4",
+        "segments:8",
+        "stages:layer1,layer2,layer4",
+        "auto",
+    ] {
+        // Bisect on the largest batch that fits (fitting is monotone in it).
+        let (mut lo, mut hi) = (0usize, 1usize);
+        while fits(strategy, hi)?.is_some() && hi < 1 << 16 {
+            lo = hi;
+            hi *= 2;
+        }
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            if fits(strategy, mid)?.is_some() {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        let peak = if lo > 0 { fits(strategy, lo)? } else { None };
+        let base = *none.get_or_insert(lo);
+        println!(
+            "| {strategy} | {lo} | {} | {} |",
+            peak.map_or("-".to_string(), fmt_bytes),
+            if base > 0 {
+                format!("{:.2}x", lo as f64 / base as f64)
+            } else {
+                "-".to_string()
+            }
+        );
     }
     Ok(())
 }
