@@ -371,3 +371,45 @@ fn bench_max_batch_grows_with_recomputation() {
     }
     assert!(batch("segments:4") > none, "{out}");
 }
+
+#[test]
+fn steps_stop_training_after_that_many_optimizer_steps() {
+    let metrics = std::env::temp_dir().join(format!("memfit-steps-{}.jsonl", std::process::id()));
+    std::fs::remove_file(&metrics).ok();
+    let (code, out, err) = memfit(&[
+        "--threads",
+        "2",
+        "train",
+        "--data",
+        "synthetic",
+        "--train-size",
+        "64",
+        "--val-size",
+        "16",
+        "--batch-size",
+        "16",
+        "--base-width",
+        "4",
+        "--steps",
+        "6",
+        "--num-classes",
+        "8",
+        "--metrics-jsonl",
+        metrics.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "stderr:\n{err}");
+    // 4 steps per epoch: epoch 1 and a partial epoch 2, then stop.
+    assert!(
+        out.contains("epoch 2:") && !out.contains("epoch 3:"),
+        "{out}"
+    );
+    let text = std::fs::read_to_string(&metrics).unwrap();
+    let steps = text.lines().filter(|l| l.contains("\"loss\"")).count();
+    assert_eq!(steps, 6, "{text}");
+    std::fs::remove_file(&metrics).ok();
+    assert_clean_error(
+        &["train", "--data", "synthetic", "--num-classes", "3"],
+        "3 classes are too few",
+    );
+    assert_clean_error(&["train", "--steps", "0"], "--steps must be at least 1");
+}

@@ -236,6 +236,14 @@ struct TrainArgs {
     data: DataArgs,
     #[arg(long, default_value_t = 10)]
     epochs: usize,
+    /// Train for this many optimizer steps instead of --epochs (the LR
+    /// schedule spans them).
+    #[arg(long, conflicts_with = "epochs")]
+    steps: Option<usize>,
+    /// Classes of the head. Default: the fc rows of --init (without
+    /// --reset-head), else the dataset's class count.
+    #[arg(long)]
+    num_classes: Option<usize>,
     #[arg(long, default_value_t = 64)]
     batch_size: usize,
     #[arg(long, value_enum, default_value = "sgd")]
@@ -736,15 +744,28 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
     let (train_set, val_set, size) = load_data(&a.data, a.seed)?;
     let init = a.init.as_ref().map(TensorFile::open).transpose()?;
     // The dataset decides the classes; without --reset-head they must match --init's fc.
-    let classes = train_set.classes;
-    if let (Some(f), false) = (&init, a.reset_head)
-        && let Some(rows) = fc_rows(f)
+    let init_rows = match (&init, a.reset_head) {
+        (Some(f), false) => fc_rows(f),
+        _ => None,
+    };
+    let classes = a.num_classes.or(init_rows).unwrap_or(train_set.classes);
+    if classes < train_set.classes {
+        bail!(
+            "{} classes are too few: the dataset has labels 0..{}",
+            classes,
+            train_set.classes - 1
+        );
+    }
+    if let (Some(f), Some(rows)) = (&init, init_rows)
         && rows != classes
     {
         bail!(
-            "{}: fc has {rows} classes but the dataset has {classes}; pass --reset-head to fine-tune with a new head",
+            "{}: fc has {rows} classes but the model has {classes}; pass --reset-head to fine-tune with a new head",
             f.path
         );
+    }
+    if a.steps == Some(0) {
+        bail!("--steps must be at least 1");
     }
     let mut model = build_model(
         &pool,
@@ -771,7 +792,11 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
         val_set.len(),
     );
     let steps_per_epoch = train_set.len().div_ceil(a.batch_size.max(1));
-    let total_steps = steps_per_epoch * a.epochs;
+    let epochs = match a.steps {
+        Some(steps) => steps.div_ceil(steps_per_epoch),
+        None => a.epochs,
+    };
+    let total_steps = a.steps.unwrap_or(steps_per_epoch * a.epochs);
     let schedule = match a.schedule {
         ScheduleKind::Constant => Schedule::Constant,
         ScheduleKind::Step => Schedule::Step {
@@ -825,7 +850,8 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
     // The hard budget from here on: the allocator refuses to cross it.
     pool.set_budget(budget);
     let opts = TrainOptions {
-        epochs: a.epochs,
+        epochs,
+        max_steps: a.steps,
         batch_size: a.batch_size,
         micro_batch: Some(resolved.micro_batch),
         plan: Some(resolved.plan.clone()),

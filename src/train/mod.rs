@@ -21,6 +21,8 @@ use crate::tensor::Tensor;
 
 pub struct TrainOptions {
     pub epochs: usize,
+    /// Stop after this many optimizer steps (the last epoch may be partial).
+    pub max_steps: Option<usize>,
     /// Samples per optimizer step (the effective batch).
     pub batch_size: usize,
     /// Samples per forward/backward; the window of `batch_size` samples is
@@ -211,6 +213,9 @@ pub fn fit(
             let t0 = std::time::Instant::now();
             lr = opts.schedule.lr_at(opts.base_lr, step);
             optimizer.set_lr(lr);
+            if opts.max_steps.is_some_and(|m| step >= m) {
+                break;
+            }
             model.zero_grad();
             // One optimizer step per window; the loss of every micro-batch
             // is normalised by the window's sample count, so an uneven last
