@@ -852,6 +852,7 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
     let opts = TrainOptions {
         epochs,
         max_steps: a.steps,
+        progress: true,
         batch_size: a.batch_size,
         micro_batch: Some(resolved.micro_batch),
         plan: Some(resolved.plan.clone()),

@@ -23,6 +23,9 @@ pub struct TrainOptions {
     pub epochs: usize,
     /// Stop after this many optimizer steps (the last epoch may be partial).
     pub max_steps: Option<usize>,
+    /// Draw a progress bar per epoch on stderr (hidden when it is not a
+    /// terminal).
+    pub progress: bool,
     /// Samples per optimizer step (the effective batch).
     pub batch_size: usize,
     /// Samples per forward/backward; the window of `batch_size` samples is
@@ -149,6 +152,21 @@ fn memory_fields(m: &MemoryStats, predicted: Option<usize>) -> String {
     s
 }
 
+/// One epoch's bar: `epoch 3 [=====>    ] 120/469 loss …, lr …, img/s, peak …`.
+fn progress_bar(on: bool, steps: usize, epoch: usize) -> indicatif::ProgressBar {
+    if !on {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(steps as u64);
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "{prefix} [{bar:30}] {pos}/{len} {msg} ({elapsed}<{eta})",
+    ) {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar.set_prefix(format!("epoch {epoch}"));
+    bar
+}
+
 /// Trains `model`; calls `on_epoch` after each epoch.
 #[allow(clippy::too_many_arguments)]
 pub fn fit(
@@ -208,6 +226,7 @@ pub fn fit(
         }
         let start = std::time::Instant::now();
         let (mut loss_sum, mut correct, mut seen) = (0.0, 0, 0);
+        let bar = progress_bar(opts.progress, order.len().div_ceil(opts.batch_size), epoch);
         let mut lr = opts.base_lr;
         for idx in order.chunks(opts.batch_size) {
             let t0 = std::time::Instant::now();
@@ -258,6 +277,13 @@ pub fn fit(
             loss_sum += out.loss * idx.len() as f64;
             correct += out.correct;
             seen += idx.len();
+            bar.inc(1);
+            bar.set_message(format!(
+                "loss {:.4}, lr {lr:.4}, {:.0} img/s, peak {}",
+                loss_sum / seen as f64,
+                seen as f64 / start.elapsed().as_secs_f64(),
+                crate::memory::fmt_bytes(pool.stats().peak_total)
+            ));
             if let Some(w) = metrics.as_mut() {
                 let secs = t0.elapsed().as_secs_f64();
                 let gn = grad_norm.map_or("null".to_string(), |g| num(g as f64));
@@ -272,6 +298,7 @@ pub fn fit(
                 .map_err(metrics_err)?;
             }
         }
+        bar.finish_and_clear();
         let secs = start.elapsed().as_secs_f64();
         let eval = if (epoch % opts.eval_every.max(1) == 0 || epoch == opts.epochs)
             && !val.is_empty()
