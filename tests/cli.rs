@@ -189,7 +189,11 @@ fn bad_inputs_give_clear_errors() {
     // The planner refuses a budget the plan cannot fit before training starts.
     assert_clean_error(
         &["train", "--memory-budget", "1MB"],
-        "needs 18.81 MiB but the budget is 976.56 KiB",
+        "needs 17.82 MiB but the budget is 976.56 KiB",
+    );
+    assert_clean_error(
+        &["train", "--precision", "int8"],
+        "unknown precision 'int8'",
     );
     assert_clean_error(
         &["train", "--model", "resnet51"],
@@ -322,15 +326,24 @@ fn bench_strategies_tables_every_strategy_with_its_prediction() {
         .lines()
         .filter(|l| l.starts_with("| ") && !l.starts_with("| strategy"))
         .collect();
-    assert_eq!(rows.len(), 6, "{out}");
+    // 9 fixed rows plus the auto rows whose budget some plan fits.
+    assert!((9..=12).contains(&rows.len()), "{out}");
+    for name in [
+        "| bf16 |",
+        "| f16 |",
+        "| BN+ReLU recompute |",
+        "| auto @ 75% of none |",
+    ] {
+        assert!(out.contains(name), "missing {name}: {out}");
+    }
     for row in &rows {
         let cells: Vec<&str> = row.split('|').map(str::trim).collect();
-        // | strategy | plan | micro | peak | act | mem ratio | s | time ratio | predicted |
-        assert_eq!(cells[4], cells[9], "measured vs predicted peak: {row}");
+        // | strategy | plan | micro | precision | peak | act | mem ratio | s | time ratio | predicted |
+        assert_eq!(cells[5], cells[10], "measured vs predicted peak: {row}");
     }
     assert!(rows[0].contains("| 1.00 |"), "{}", rows[0]);
     let written = std::fs::read_to_string(&csv).unwrap();
-    assert_eq!(written.lines().count(), 7, "{written}");
+    assert_eq!(written.lines().count(), rows.len() + 1, "{written}");
     std::fs::remove_file(&csv).ok();
 }
 
@@ -412,4 +425,38 @@ fn steps_stop_training_after_that_many_optimizer_steps() {
         "3 classes are too few",
     );
     assert_clean_error(&["train", "--steps", "0"], "--steps must be at least 1");
+}
+
+/// Mixed precision end to end: f16 trains with the loss scaler (its state
+/// in the metrics), bf16 without, and `plan` reports the precision.
+#[test]
+fn mixed_precision_trains_and_reports_its_scaler() {
+    let dir = std::env::temp_dir().join(format!("memfit_cli_mp_{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let metrics = dir.join("f16.jsonl");
+    let m = metrics.to_str().unwrap();
+    let (code, out, err) = memfit(&[
+        "train",
+        "--steps",
+        "2",
+        "--batch-size",
+        "32",
+        "--precision",
+        "f16",
+        "--scaler-init",
+        "256",
+        "--metrics-jsonl",
+        m,
+    ]);
+    assert_eq!(code, 0, "stderr:\n{err}");
+    assert!(out.contains("f16"), "{out}");
+    let text = std::fs::read_to_string(&metrics).unwrap();
+    assert!(text.contains("\"scale\":256,"), "{text}");
+    let (code, out, err) = memfit(&["plan", "--precision", "bf16", "--recompute-bn-relu"]);
+    assert_eq!(code, 0, "stderr:\n{err}");
+    assert!(
+        out.contains("bf16") && out.contains("BN+ReLU outputs are recomputed"),
+        "{out}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -25,7 +25,7 @@ use memfit::io::{
     RawData, TensorFile, fc_rows, load_state_dict, load_torchvision, save_state_dict,
 };
 use memfit::memory::{Category, Pool, Tag};
-use memfit::nn::{BlockKind, ResNet, ResNetConfig, StateSlot, StemKind};
+use memfit::nn::{BlockKind, Precision, ResNet, ResNetConfig, StateSlot, StemKind};
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 
@@ -51,6 +51,8 @@ fn tiny_config(block: BlockKind, num_classes: usize, seed: u64) -> ResNetConfig 
         stem: StemKind::ImageNet,
         zero_init_residual: false,
         seed,
+        precision: Precision::F32,
+        recompute_bn_relu: false,
     }
 }
 

@@ -56,6 +56,8 @@ fn two_sgd_steps_on_tiny_resnet_match_pytorch() {
         stem: StemKind::ImageNet,
         zero_init_residual: false,
         seed: 0,
+        precision: memfit::nn::Precision::F32,
+        recompute_bn_relu: false,
     };
     let pool = Pool::new();
     let mut model = ResNet::new(&pool, config).unwrap();

@@ -6,7 +6,7 @@ mod common;
 
 use memfit::exec::{LossOptions, Plan, Segment, forward_backward, forward_eval};
 use memfit::memory::{Category, Pool, Tag};
-use memfit::nn::{BlockKind, BnPolicy, ResNet, ResNetConfig, StateSlot, StemKind};
+use memfit::nn::{BlockKind, BnPolicy, Precision, ResNet, ResNetConfig, StateSlot, StemKind};
 use memfit::optim::{Optimizer, Sgd};
 use memfit::plan::{CostModel, Strategy, segments_plan, simulate, stages_plan};
 
@@ -103,6 +103,21 @@ fn configs() -> Vec<ResNetConfig> {
         ResNetConfig {
             stem: StemKind::Small,
             ..common::tiny_config(BlockKind::Basic, [1, 1, 1, 1], 4, 10)
+        },
+        // Mixed precision and BN+ReLU recompute: recomputation stays exact
+        // and the prediction exact under every storage setting.
+        ResNetConfig {
+            precision: Precision::BF16,
+            ..common::tiny_config(BlockKind::Bottleneck, [1, 2, 1, 1], 8, 10)
+        },
+        ResNetConfig {
+            precision: Precision::F16,
+            recompute_bn_relu: true,
+            ..common::tiny_config(BlockKind::Basic, [1, 1, 2, 1], 8, 10)
+        },
+        ResNetConfig {
+            recompute_bn_relu: true,
+            ..common::tiny_config(BlockKind::Bottleneck, [2, 1, 1, 1], 8, 10)
         },
     ]
 }
@@ -341,6 +356,7 @@ fn accumulation_over_micro_batches_equals_one_batch_with_frozen_bn() {
                 LossOptions {
                     label_smoothing: 0.1,
                     window_samples: Some(5),
+                    scale: None,
                 },
             )
             .unwrap();
@@ -399,4 +415,129 @@ fn frozen_bn_affine_parameters_are_not_updated() {
             assert!(a != b, "{name} did not change");
         }
     }
+}
+
+/// Recomputing BN+ReLU outputs in backward runs the forward's kernel on the
+/// forward's inputs, so gradients and buffers are bit-identical to keeping
+/// them, at every precision; the saved bytes drop by the BN+ReLU outputs.
+#[test]
+fn bn_relu_recompute_is_exact_and_saves_its_outputs() {
+    for block in [BlockKind::Basic, BlockKind::Bottleneck] {
+        for precision in Precision::ALL {
+            let keep = ResNetConfig {
+                precision,
+                ..common::tiny_config(block, [1, 1, 1, 1], 8, 10)
+            };
+            let cheap = ResNetConfig {
+                recompute_bn_relu: true,
+                ..keep.clone()
+            };
+            let n = stage_names(&keep).len();
+            let (lk, sk) = run(&keep, &Plan::keep_all_len(n));
+            let (lc, sc) = run(&cheap, &Plan::keep_all_len(n));
+            assert_eq!(lk, lc, "{block:?} {precision}: loss");
+            assert!(sk == sc, "{block:?} {precision}: state differs");
+            let pool = Pool::shapes_only();
+            let saved = |c: &ResNetConfig| -> usize {
+                ResNet::new(&pool, c.clone())
+                    .unwrap()
+                    .saved_bytes_per_stage(3, 32, 32)
+                    .iter()
+                    .sum()
+            };
+            assert!(
+                saved(&cheap) < saved(&keep),
+                "{block:?} {precision}: nothing saved"
+            );
+        }
+    }
+}
+
+/// Forward + backward of one batch with running BN statistics (a smooth
+/// function of the input: batch statistics of 3 images at 1×1 resolution
+/// amplify any rounding chaotically, which says nothing about precision).
+fn run_frozen_bn(config: &ResNetConfig) -> Vec<(String, Vec<u32>)> {
+    let pool = Pool::new();
+    let mut model = ResNet::new(&pool, config.clone()).unwrap();
+    model.set_bn_policy(BnPolicy::Frozen);
+    let (images, labels) = common::batch(&pool, 3, 4, 32, 32, 10);
+    let plan = Plan::keep_all_len(model.stages.len());
+    forward_backward(
+        &mut model,
+        &pool,
+        &plan,
+        images,
+        &labels,
+        LossOptions::default(),
+    )
+    .unwrap();
+    snapshot(&mut model)
+}
+
+/// Mixed precision stores what the backward needs in two bytes per value
+/// (the closed form says so), and its gradients differ from fp32's by
+/// rounding of the low type's size: the error is small where the backward
+/// starts (fc), grows through the chain (d_logits sums to zero, so every
+/// later gradient is a cancelling sum of rounded terms, as in PyTorch's
+/// autocast), and scales with the mantissa: f16 (11 bits) is several times
+/// closer than bf16 (8 bits). A wrong computation would not track that.
+#[test]
+fn low_precision_halves_saved_activations_and_tracks_fp32_gradients() {
+    let base = common::tiny_config(BlockKind::Bottleneck, [1, 1, 1, 1], 8, 10);
+    let want = run_frozen_bn(&base);
+    let pool = Pool::shapes_only();
+    let saved = |c: &ResNetConfig| -> usize {
+        ResNet::new(&pool, c.clone())
+            .unwrap()
+            .saved_bytes_per_stage(3, 32, 32)
+            .iter()
+            .sum()
+    };
+    let bits = |v: &[u32]| {
+        v.iter()
+            .map(|&b| f32::from_bits(b) as f64)
+            .collect::<Vec<_>>()
+    };
+    let norm = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>().sqrt();
+    // (precision, max fc.weight error, max overall conv error)
+    let mut overall = Vec::new();
+    for (precision, fc_tol, conv_tol) in
+        [(Precision::BF16, 0.02, 0.25), (Precision::F16, 0.005, 0.06)]
+    {
+        let config = ResNetConfig {
+            precision,
+            ..base.clone()
+        };
+        // Only the BN statistics (f32) and the ReLU masks (bits) stay.
+        let (lo, hi) = (saved(&config), saved(&base));
+        assert!(
+            lo * 2 > hi && (lo as f64) < 0.52 * hi as f64,
+            "{precision}: saved {lo} vs fp32 {hi}"
+        );
+        let got = run_frozen_bn(&config);
+        let (mut d2, mut w2) = (0.0, 0.0);
+        for ((name, g), (_, w)) in got.iter().zip(&want) {
+            if !name.ends_with("weight.grad") {
+                continue;
+            }
+            let (g, w) = (bits(g), bits(w));
+            let diff: Vec<f64> = g.iter().zip(&w).map(|(a, b)| a - b).collect();
+            let rel = norm(&diff) / norm(&w).max(1e-30);
+            if name == "fc.weight.grad" {
+                assert!(rel < fc_tol && rel > 0.0, "{precision} fc: {rel}");
+            } else if norm(&w) > 0.0 && name.contains("conv") {
+                d2 += norm(&diff).powi(2);
+                w2 += norm(&w).powi(2);
+            }
+        }
+        let rel = (d2 / w2).sqrt();
+        assert!(rel < conv_tol && rel > 0.0, "{precision} convs: {rel}");
+        overall.push(rel);
+    }
+    assert!(
+        overall[1] * 3.0 < overall[0],
+        "f16 error {} should be well below bf16's {}",
+        overall[1],
+        overall[0]
+    );
 }

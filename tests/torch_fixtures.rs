@@ -236,6 +236,8 @@ fn tiny_resnet_step(name: &str) {
         stem: StemKind::by_name(f.metadata.get("stem").map_or("imagenet", |s| s.as_str())).unwrap(),
         zero_init_residual: false,
         seed: 0,
+        precision: memfit::nn::Precision::F32,
+        recompute_bn_relu: false,
     };
     let pool = Pool::new();
     let mut model = ResNet::new(&pool, config).unwrap();

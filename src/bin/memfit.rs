@@ -11,8 +11,8 @@ use memfit::data::{InMemoryDataset, SyntheticGratings, load_digits, load_fashion
 use memfit::exec::{LossOptions, forward_backward};
 use memfit::io::{TensorFile, fc_rows, load_torchvision, save_state_dict};
 use memfit::memory::{Category, MemoryStats, Pool, Tag, fmt_bytes, parse_bytes};
-use memfit::nn::{BnPolicy, ResNet, ResNetConfig, StemKind};
-use memfit::optim::{AdamW, LrSchedule, Schedule, Sgd};
+use memfit::nn::{BnPolicy, Precision, ResNet, ResNetConfig, StemKind};
+use memfit::optim::{AdamW, GradScaler, LrSchedule, Schedule, Sgd};
 use memfit::plan::{PlanRequest, Strategy, report, resolve, simulate_training};
 use memfit::train::{Optimizer, TrainOptions, evaluate, fit};
 
@@ -80,6 +80,40 @@ struct MemoryArgs {
     /// (seconds, event, category, tensor, bytes, live_total).
     #[arg(long)]
     memory_trace: Option<PathBuf>,
+    #[command(flatten)]
+    precision: PrecisionArgs,
+    /// f16 loss scaler (PyTorch's GradScaler): initial scale.
+    #[arg(long, default_value_t = 65536.0)]
+    scaler_init: f32,
+    /// f16 loss scaler: consecutive clean steps before the scale doubles.
+    #[arg(long, default_value_t = 2000)]
+    scaler_growth_interval: u32,
+}
+
+#[derive(Args, Clone)]
+struct PrecisionArgs {
+    /// fp32, bf16 or f16: convolutions and matmuls on low-type operands with
+    /// f32 accumulation, saved activations stored in the low type; BN
+    /// statistics, loss and master weights stay f32; f16 trains with a
+    /// dynamic loss scaler. auto: fp32 unless bf16 fits --memory-budget
+    /// where fp32 does not (or, with --checkpoint auto, fits a larger
+    /// micro-batch or less recomputation).
+    #[arg(long, default_value = "fp32")]
+    precision: String,
+    /// Recompute BN+ReLU outputs in backward from the kept convolution
+    /// outputs instead of storing them (cheap recompute inside blocks).
+    #[arg(long)]
+    recompute_bn_relu: bool,
+}
+
+impl PrecisionArgs {
+    /// The fixed precision, or None for auto.
+    fn parse(&self) -> Result<Option<Precision>> {
+        if self.precision == "auto" {
+            return Ok(None);
+        }
+        Ok(Some(self.precision.parse()?))
+    }
 }
 
 #[derive(Subcommand)]
@@ -167,6 +201,8 @@ struct StepArgs {
     /// Samples per forward/backward (gradients accumulate over the batch).
     #[arg(long)]
     micro_batch: Option<usize>,
+    #[command(flatten)]
+    precision: PrecisionArgs,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -376,6 +412,7 @@ fn print_memory(stats: &MemoryStats) {
 /// What one `bench step` measured.
 struct StepResult {
     plan: String,
+    precision: Precision,
     micro_batch: usize,
     median_seconds: f64,
     measured: MemoryStats,
@@ -410,6 +447,9 @@ fn measure_steps(a: &StepArgs, verbose: bool) -> Result<StepResult> {
     config.stem = a.model.stem.into();
     config.num_classes = a.model.num_classes;
     config.seed = a.model.seed;
+    let fixed_precision = a.precision.parse()?;
+    config.precision = fixed_precision.unwrap_or_default();
+    config.recompute_bn_relu = a.precision.recompute_bn_relu;
     let mut model = ResNet::new(&pool, config)?;
     model.check_image_size(a.image_size, a.image_size)?;
     let params = model.param_count();
@@ -440,7 +480,9 @@ fn measure_steps(a: &StepArgs, verbose: bool) -> Result<StepResult> {
         image_size: s,
         budget,
         strategy: a.checkpoint.parse()?,
+        auto_precision: fixed_precision.is_none(),
     })?;
+    model.set_precision(resolved.precision);
     let (plan, micro) = (resolved.plan.clone(), resolved.micro_batch);
     // The bench runs training steps only: predict those, without evaluation.
     let predicted = simulate_training(
@@ -453,7 +495,13 @@ fn measure_steps(a: &StepArgs, verbose: bool) -> Result<StepResult> {
     )?
     .peak_total;
     println!(
-        "plan {plan} at micro-batch {micro}; predicted peak {}",
+        "plan {plan} at micro-batch {micro}, {}{}; predicted peak {}",
+        resolved.precision,
+        if resolved.recompute_bn_relu {
+            ", BN+ReLU recomputed"
+        } else {
+            ""
+        },
         fmt_bytes(predicted)
     );
     pool.set_budget(budget);
@@ -483,6 +531,7 @@ fn measure_steps(a: &StepArgs, verbose: bool) -> Result<StepResult> {
                 LossOptions {
                     label_smoothing: 0.0,
                     window_samples: Some(n),
+                    scale: None,
                 },
             )?;
             loss += o.loss * m as f64 / n as f64;
@@ -502,6 +551,7 @@ fn measure_steps(a: &StepArgs, verbose: bool) -> Result<StepResult> {
     println!("median {median:.3} s/step, {:.2} img/s", n as f64 / median);
     Ok(StepResult {
         plan: plan.to_string(),
+        precision: resolved.precision,
         micro_batch: micro,
         median_seconds: median,
         measured: pool.stats(),
@@ -509,27 +559,56 @@ fn measure_steps(a: &StepArgs, verbose: bool) -> Result<StepResult> {
     })
 }
 
+/// One row of `bench strategies`.
+struct StrategyRow {
+    name: String,
+    checkpoint: String,
+    micro_batch: Option<usize>,
+    precision: &'static str,
+    recompute_bn_relu: bool,
+    /// For `auto`: this fraction of the no-plan row's measured peak.
+    budget_fraction: Option<f64>,
+}
+
 fn bench_strategies(a: StrategiesArgs) -> Result<()> {
     let quarter = (a.batch_size / 4).max(1);
-    let rows: Vec<(String, String, Option<usize>)> = [
-        ("none", "none", None),
-        ("segments:2", "segments:2", None),
-        ("segments:4", "segments:4", None),
-        ("segments:8", "segments:8", None),
-        (
-            "stages:layer1,layer2,layer4",
-            "stages:layer1,layer2,layer4",
-            None,
-        ),
-    ]
-    .iter()
-    .map(|(n, c, m)| (n.to_string(), c.to_string(), *m))
-    .chain(std::iter::once((
-        format!("micro-batch {quarter}"),
-        "none".to_string(),
-        Some(quarter),
-    )))
-    .collect();
+    let row = |name: &str, checkpoint: &str| StrategyRow {
+        name: name.to_string(),
+        checkpoint: checkpoint.to_string(),
+        micro_batch: None,
+        precision: "fp32",
+        recompute_bn_relu: false,
+        budget_fraction: None,
+    };
+    let mut rows = vec![
+        row("none", "none"),
+        row("segments:2", "segments:2"),
+        row("segments:4", "segments:4"),
+        row("segments:8", "segments:8"),
+        row("stages:layer1,layer2,layer4", "stages:layer1,layer2,layer4"),
+        StrategyRow {
+            precision: "bf16",
+            ..row("bf16", "none")
+        },
+        StrategyRow {
+            precision: "f16",
+            ..row("f16", "none")
+        },
+        StrategyRow {
+            micro_batch: Some(quarter),
+            ..row(&format!("micro-batch {quarter}"), "none")
+        },
+        StrategyRow {
+            recompute_bn_relu: true,
+            ..row("BN+ReLU recompute", "none")
+        },
+    ];
+    for f in [0.75, 0.5, 0.35] {
+        rows.push(StrategyRow {
+            budget_fraction: Some(f),
+            ..row(&format!("auto @ {:.0}% of none", 100.0 * f), "auto")
+        });
+    }
     println!(
         "{} (base width {}), batch {} at {}x{}, {} threads, {} timed step(s) each",
         a.model.model,
@@ -540,29 +619,45 @@ fn bench_strategies(a: StrategiesArgs) -> Result<()> {
         rayon::current_num_threads(),
         a.steps
     );
-    let mut results = Vec::new();
-    for (name, checkpoint, micro) in &rows {
+    let mut results: Vec<(String, StepResult)> = Vec::new();
+    for r in &rows {
+        let budget = match (r.budget_fraction, results.first()) {
+            (Some(f), Some((_, none))) => Some(format!(
+                "{}",
+                (none.measured.peak_total as f64 * f) as usize
+            )),
+            _ => None,
+        };
         let step = StepArgs {
             model: a.model.clone(),
             image_size: a.image_size,
             batch_size: a.batch_size,
             steps: a.steps,
             warmup: a.warmup,
-            memory_budget: None,
-            checkpoint: checkpoint.clone(),
-            micro_batch: *micro,
+            memory_budget: budget,
+            checkpoint: r.checkpoint.clone(),
+            micro_batch: r.micro_batch,
+            precision: PrecisionArgs {
+                precision: r.precision.to_string(),
+                recompute_bn_relu: r.recompute_bn_relu,
+            },
         };
-        eprintln!("running {name} ...");
-        results.push((name.clone(), measure_steps(&step, false)?));
+        eprintln!("running {} ...", r.name);
+        match measure_steps(&step, false) {
+            Ok(m) => results.push((r.name.clone(), m)),
+            // A budget below the smallest plan is a result too, not a failure.
+            Err(e) if r.budget_fraction.is_some() => eprintln!("{}: {e:#}", r.name),
+            Err(e) => return Err(e),
+        }
     }
     let (base_peak, base_time) = (
         results[0].1.measured.peak_total as f64,
         results[0].1.median_seconds,
     );
-    let header = "| strategy | plan | micro-batch | peak | activations at peak | memory ratio | s/step | time ratio | predicted peak |";
-    println!("{header}\n|---|---|---|---|---|---|---|---|---|");
+    let header = "| strategy | plan | micro-batch | precision | peak | activations at peak | memory ratio | s/step | time ratio | predicted peak |";
+    println!("{header}\n|---|---|---|---|---|---|---|---|---|---|");
     let mut csv = String::from(
-        "strategy,plan,micro_batch,peak_bytes,activations_bytes,memory_ratio,seconds_per_step,time_ratio,predicted_peak_bytes\n",
+        "strategy,plan,micro_batch,precision,peak_bytes,activations_bytes,memory_ratio,seconds_per_step,time_ratio,predicted_peak_bytes\n",
     );
     for (name, r) in &results {
         let m = &r.measured;
@@ -572,17 +667,18 @@ fn bench_strategies(a: StrategiesArgs) -> Result<()> {
             r.median_seconds / base_time,
         );
         println!(
-            "| {name} | {} | {} | {} | {} | {mr:.2} | {:.3} | {tr:.2} | {} |",
+            "| {name} | {} | {} | {} | {} | {} | {mr:.2} | {:.3} | {tr:.2} | {} |",
             r.plan,
             r.micro_batch,
+            r.precision,
             fmt_bytes(m.peak_total),
             fmt_bytes(act),
             r.median_seconds,
             fmt_bytes(r.predicted)
         );
         csv += &format!(
-            "\"{name}\",\"{}\",{},{},{act},{mr:.4},{:.4},{tr:.4},{}\n",
-            r.plan, r.micro_batch, m.peak_total, r.median_seconds, r.predicted
+            "\"{name}\",\"{}\",{},{},{},{act},{mr:.4},{:.4},{tr:.4},{}\n",
+            r.plan, r.micro_batch, r.precision, m.peak_total, r.median_seconds, r.predicted
         );
     }
     if let Some(path) = &a.csv {
@@ -609,6 +705,7 @@ fn bench_max_batch(a: MaxBatchArgs) -> Result<()> {
             image_size: a.image_size,
             budget: Some(budget),
             strategy: strategy.parse()?,
+            auto_precision: false,
         };
         match resolve(&request) {
             Ok(r) => Ok(Some(r.predicted.peak_total)),
@@ -730,6 +827,7 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
         .transpose()
         .context("--memory-budget")?;
     let strategy: Strategy = a.memory.checkpoint.parse()?;
+    let fixed_precision = a.memory.precision.parse()?;
     let micro_batch = match (a.memory.micro_batch, a.memory.accum_steps) {
         (Some(m), _) => Some(m),
         (None, Some(0)) => bail!("--accum-steps must be at least 1"),
@@ -780,6 +878,8 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
     }
     model.check_image_size(size, size)?;
     model.set_bn_policy(bn);
+    model.set_precision(fixed_precision.unwrap_or_default());
+    model.set_recompute_bn_relu(a.memory.precision.recompute_bn_relu);
     println!(
         "training {} (base width {}, {:?} stem, {} parameters) on {}: {} classes, {} train / {} val images at {size}x{size}",
         a.model,
@@ -835,18 +935,31 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
         image_size: size,
         budget,
         strategy,
+        auto_precision: fixed_precision.is_none(),
     })?;
+    model.set_precision(resolved.precision);
     if plan_only {
         print!("{}", report(&resolved, a.batch_size));
         return Ok(());
     }
     println!(
-        "plan: {} at micro-batch {} x {} step(s); predicted peak {}",
+        "plan: {} at micro-batch {} x {} step(s), {}{}; predicted peak {}",
         resolved.plan,
         resolved.micro_batch,
         resolved.accum_steps(a.batch_size),
+        resolved.precision,
+        if resolved.recompute_bn_relu {
+            ", BN+ReLU recomputed"
+        } else {
+            ""
+        },
         fmt_bytes(resolved.predicted.peak_total)
     );
+    if a.memory.scaler_init.is_nan() || a.memory.scaler_init <= 0.0 {
+        bail!("--scaler-init must be a positive number");
+    }
+    let scaler = (resolved.precision == Precision::F16)
+        .then(|| GradScaler::new(a.memory.scaler_init, a.memory.scaler_growth_interval));
     // The hard budget from here on: the allocator refuses to cross it.
     pool.set_budget(budget);
     let opts = TrainOptions {
@@ -866,6 +979,8 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
         clip_grad_norm: a.clip_grad_norm,
         eval_every: a.eval_every,
         metrics_jsonl: a.metrics_jsonl.clone(),
+        scaler,
+        inject_inf_steps: Vec::new(),
     };
     let start = Instant::now();
     let reports = fit(

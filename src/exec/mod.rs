@@ -141,6 +141,9 @@ pub struct LossOptions {
     /// Samples in the whole accumulation window this batch belongs to (the
     /// gradient is of the window's mean loss); `None` = this batch alone.
     pub window_samples: Option<usize>,
+    /// The loss scaler's factor (f16): the gradient is of `scale · loss`;
+    /// `None` = 1. The returned loss is unscaled.
+    pub scale: Option<f32>,
 }
 
 /// Index of the largest logit of each row.
@@ -227,6 +230,11 @@ pub fn forward_backward(
             loss_opts.label_smoothing,
             loss_opts.window_samples.unwrap_or(n),
         )?;
+        if let Some(scale) = loss_opts.scale {
+            d_logits.f32_mut().iter_mut().for_each(|g| *g *= scale);
+        }
+        // The gradient reaching a low-type linear is of the low type.
+        model.precision().round(d_logits.f32_mut());
         let correct = argmax_rows(logits.f32(), classes)
             .iter()
             .zip(labels)

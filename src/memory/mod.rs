@@ -531,6 +531,13 @@ impl Pool {
             .push(storage);
     }
 
+    fn meta_of(&self, id: u64) -> Option<(Tag, Category)> {
+        self.lock()
+            .entries
+            .get(&id)
+            .map(|e| (e.tag.clone(), e.category))
+    }
+
     fn tag_of(&self, id: u64) -> String {
         self.lock()
             .entries
@@ -554,6 +561,11 @@ impl Lease {
 
     pub fn tag(&self) -> String {
         self.pool.tag_of(self.id)
+    }
+
+    /// The tag and category the storage was allocated under.
+    pub(crate) fn meta(&self) -> Option<(Tag, Category)> {
+        self.pool.meta_of(self.id)
     }
 
     pub(crate) fn release(&self, storage: Storage) {

@@ -8,9 +8,41 @@ use rand::rngs::ChaCha8Rng;
 
 use crate::error::Result;
 use crate::memory::{Category, Pool, Tag};
-use crate::nn::{BatchNorm, BnStats, Conv, Mode};
+use crate::nn::precision::{F32View, f32_view, store};
+use crate::nn::{BatchNorm, BnStats, Conv, Mode, Precision};
 use crate::ops::{add, relu};
 use crate::tensor::{DType, Tensor};
+
+/// What a block keeps of a BN+ReLU output for its backward: the tensor
+/// (stored in the activation precision), or nothing when the plan
+/// recomputes it from the BN input and statistics, which are kept anyway.
+fn keep_bn_relu(pool: &Pool, a: Tensor, p: Precision, recompute: bool) -> Result<Option<Tensor>> {
+    if recompute {
+        return Ok(None);
+    }
+    store(pool, a, p).map(Some)
+}
+
+/// The f32 BN+ReLU output a backward needs: the kept tensor, or
+/// `relu(bn(y))` recomputed with the forward's statistics.
+fn bn_relu_view<'a>(
+    pool: &Pool,
+    kept: &'a Option<Tensor>,
+    bn: &BatchNorm,
+    y: &Tensor,
+    stats: &BnStats,
+) -> Result<F32View<'a>> {
+    match kept {
+        Some(a) => f32_view(pool, a),
+        None => Ok(F32View::Owned(bn.apply(
+            pool,
+            y,
+            stats,
+            true,
+            Tag::new(&bn.name, "a_recomputed"),
+        )?)),
+    }
+}
 
 /// The 1×1 conv + BN on the residual path of a shape-changing block.
 pub struct Downsample {
@@ -47,14 +79,17 @@ impl Downsample {
         })
     }
 
+    /// `x` is the block input as f32; `sp` the precision to store in.
     fn forward(
         &mut self,
         pool: &Pool,
         x: &Tensor,
         mode: Mode,
+        sp: Precision,
     ) -> Result<(Tensor, DownsampleSaved)> {
         let y = self.conv.forward(pool, x, "y")?;
         let (out, bn) = self.bn.forward(pool, &y, false, mode, "out")?;
+        let y = store(pool, y, sp)?;
         Ok((out, DownsampleSaved { y, bn }))
     }
 
@@ -66,7 +101,9 @@ impl Downsample {
         x: &Tensor,
         dx: &mut Tensor,
     ) -> Result<()> {
-        let d_y = self.bn.backward(pool, d_out, &s.y, &s.bn, None)?;
+        let y = f32_view(pool, &s.y)?;
+        let d_y = self.bn.backward(pool, d_out, &y, &s.bn, None)?;
+        drop(y);
         drop(s);
         self.conv.backward(pool, &d_y, x, Some(dx))
     }
@@ -79,6 +116,7 @@ fn join_residual(
     name: &Arc<str>,
     z: &mut Tensor,
     residual: &Tensor,
+    p: Precision,
 ) -> Result<Tensor> {
     let mut mask = pool.empty(
         &[z.numel()],
@@ -88,8 +126,29 @@ fn join_residual(
     )?;
     if pool.computes() {
         relu::add_relu_forward(z.f32_mut(), residual.f32(), mask.bits_mut());
+        p.round(z.f32_mut());
     }
     Ok(mask)
+}
+
+/// The residual gradient of a block: `d_z` through the downsample when
+/// there is one, else added as is; then `d_x` is rounded as a low-type
+/// gradient would be.
+fn join_residual_backward(
+    pool: &Pool,
+    down: Option<(&mut Downsample, DownsampleSaved)>,
+    d_z: &Tensor,
+    x: &Tensor,
+    d_x: &mut Tensor,
+    p: Precision,
+) -> Result<()> {
+    match down {
+        Some((ds, saved)) => ds.backward(pool, saved, d_z, x, d_x)?,
+        None if pool.computes() => add::add_assign(d_x.f32_mut(), d_z.f32()),
+        None => {}
+    }
+    p.round_tensor(pool, d_x);
+    Ok(())
 }
 
 /// Two 3×3 convolutions (ResNet-18/34).
@@ -100,15 +159,20 @@ pub struct BasicBlock {
     pub conv2: Conv,
     pub bn2: BatchNorm,
     pub downsample: Option<Downsample>,
+    /// Storage type of what the backward needs (and of the output).
+    pub precision: Precision,
+    /// Recompute relu(bn1(y1)) in backward instead of keeping it.
+    pub recompute_bn_relu: bool,
 }
 
-/// What `BasicBlock::backward` needs.
+/// What `BasicBlock::backward` needs. Tensors are stored in the block's
+/// precision.
 pub struct BasicSaved {
     x: Tensor,  // (n, h, w, cin)      block input and residual
     y1: Tensor, // (n, h', w', c)      conv1 out
     bn1: BnStats,
-    a1: Tensor, // (n, h', w', c)      relu(bn1(y1)), conv2 input
-    y2: Tensor, // (n, h', w', c)      conv2 out
+    a1: Option<Tensor>, // (n, h', w', c) relu(bn1(y1)), conv2 input; None: recomputed
+    y2: Tensor,         // (n, h', w', c)      conv2 out
     bn2: BnStats,
     down: Option<DownsampleSaved>,
     mask: Tensor, // (n, h', w', c) bits: final ReLU passed
@@ -121,10 +185,11 @@ impl BasicSaved {
     }
 
     pub fn bytes(&self) -> usize {
-        [&self.x, &self.y1, &self.a1, &self.y2, &self.mask]
+        [&self.x, &self.y1, &self.y2, &self.mask]
             .iter()
             .map(|t| t.bytes())
             .sum::<usize>()
+            + self.a1.as_ref().map_or(0, |t| t.bytes())
             + self.bn1.bytes()
             + self.bn2.bytes()
             + self.down.as_ref().map_or(0, |d| d.y.bytes() + d.bn.bytes())
@@ -164,6 +229,8 @@ impl BasicBlock {
             conv2: Conv::new(pool, rng, &format!("{name}.conv2"), planes, planes, 3, 1, 1)?,
             bn2: BatchNorm::new(pool, &format!("{name}.bn2"), planes, zero_init_last_bn)?,
             downsample,
+            precision: Precision::F32,
+            recompute_bn_relu: false,
         })
     }
 
@@ -172,69 +239,90 @@ impl BasicBlock {
         (g.oh(), g.ow(), self.conv2.cout)
     }
 
+    /// `x` may be f32 or the block's precision; the output is stored in
+    /// the block's precision.
     pub fn forward(
         &mut self,
         pool: &Pool,
         x: Tensor,
         mode: Mode,
     ) -> Result<(Tensor, Option<BasicSaved>)> {
-        let y1 = self.conv1.forward(pool, &x, "y")?;
+        let p = self.precision;
+        // Eval keeps nothing past the block, so converting would be waste.
+        let sp = if mode.saves() { p } else { Precision::F32 };
+        let xv = f32_view(pool, &x)?;
+        let y1 = self.conv1.forward(pool, &xv, "y")?;
         let (a1, bn1) = self.bn1.forward(pool, &y1, true, mode, "a")?;
+        let y1 = store(pool, y1, sp)?;
         let y2 = self.conv2.forward(pool, &a1, "y")?;
+        let a1 = keep_bn_relu(pool, a1, sp, self.recompute_bn_relu)?;
         let (mut z, bn2) = self.bn2.forward(pool, &y2, false, mode, "out")?;
+        let y2 = store(pool, y2, sp)?;
         let (mask, down) = match self.downsample.as_mut() {
             Some(ds) => {
-                let (identity, saved) = ds.forward(pool, &x, mode)?;
+                let (identity, saved) = ds.forward(pool, &xv, mode, sp)?;
                 (
-                    join_residual(pool, &self.name, &mut z, &identity)?,
+                    join_residual(pool, &self.name, &mut z, &identity, p)?,
                     Some(saved),
                 )
             }
-            None => (join_residual(pool, &self.name, &mut z, &x)?, None),
+            None => (join_residual(pool, &self.name, &mut z, &xv, p)?, None),
         };
-        let saved = mode.saves().then_some(BasicSaved {
-            x,
-            y1,
-            bn1,
-            a1,
-            y2,
-            bn2,
-            down,
-            mask,
-        });
+        drop(xv);
+        let z = store(pool, z, p)?;
+        let saved = if mode.saves() {
+            Some(BasicSaved {
+                x: store(pool, x, sp)?,
+                y1,
+                bn1,
+                a1,
+                y2,
+                bn2,
+                down,
+                mask,
+            })
+        } else {
+            None
+        };
         Ok((z, saved))
     }
 
     pub fn backward(&mut self, pool: &Pool, s: BasicSaved, mut d_out: Tensor) -> Result<Tensor> {
+        let p = self.precision;
         if pool.computes() {
             relu::relu_mask_backward_inplace(d_out.f32_mut(), s.mask.bits());
         }
         let d_z = d_out;
-        let d_y2 = self.bn2.backward(pool, &d_z, &s.y2, &s.bn2, None)?;
+        let y2 = f32_view(pool, &s.y2)?;
+        let d_y2 = self.bn2.backward(pool, &d_z, &y2, &s.bn2, None)?;
+        drop(y2);
         drop((s.y2, s.bn2));
-        let mut d_a1 = Conv::zeros_like(pool, &s.a1, Tag::new(&self.name, "d_a1"))?;
-        self.conv2.backward(pool, &d_y2, &s.a1, Some(&mut d_a1))?;
+        let y1 = f32_view(pool, &s.y1)?;
+        let a1 = bn_relu_view(pool, &s.a1, &self.bn1, &y1, &s.bn1)?;
+        let mut d_a1 = Conv::zeros_like(pool, &a1, Tag::new(&self.name, "d_a1"))?;
+        self.conv2.backward(pool, &d_y2, &a1, Some(&mut d_a1))?;
         drop(d_y2);
-        let d_y1 = self.bn1.backward(pool, &d_a1, &s.y1, &s.bn1, Some(&s.a1))?;
-        drop((d_a1, s.a1, s.y1, s.bn1));
-        let mut d_x = Conv::zeros_like(pool, &s.x, Tag::new(&self.name, "dx"))?;
-        self.conv1.backward(pool, &d_y1, &s.x, Some(&mut d_x))?;
+        let d_y1 = self.bn1.backward(pool, &d_a1, &y1, &s.bn1, Some(&a1))?;
+        drop((d_a1, a1, y1));
+        drop((s.a1, s.y1, s.bn1));
+        let x = f32_view(pool, &s.x)?;
+        let mut d_x = Conv::zeros_like(pool, &x, Tag::new(&self.name, "dx"))?;
+        self.conv1.backward(pool, &d_y1, &x, Some(&mut d_x))?;
         drop(d_y1);
-        match (self.downsample.as_mut(), s.down) {
-            (Some(ds), Some(saved)) => ds.backward(pool, saved, &d_z, &s.x, &mut d_x)?,
-            _ if pool.computes() => add::add_assign(d_x.f32_mut(), d_z.f32()),
-            _ => {}
-        }
+        let down = self.downsample.as_mut().zip(s.down);
+        join_residual_backward(pool, down, &d_z, &x, &mut d_x, p)?;
         Ok(d_x)
     }
 
     pub fn saved_bytes(&self, n: usize, h: usize, w: usize) -> usize {
+        let e = self.precision.bytes();
         let g1 = self.conv1.geom(n, h, w);
         let out = g1.output_len(); // every inner tensor has the output's size
-        let mut b = 4 * (g1.input_len() + 3 * out) + out.div_ceil(8);
+        let inner = if self.recompute_bn_relu { 2 } else { 3 };
+        let mut b = e * (g1.input_len() + inner * out) + out.div_ceil(8);
         b += self.bn1.stats_bytes() + self.bn2.stats_bytes();
         if let Some(ds) = &self.downsample {
-            b += 4 * out + ds.bn.stats_bytes();
+            b += e * out + ds.bn.stats_bytes();
         }
         b
     }
@@ -250,18 +338,24 @@ pub struct Bottleneck {
     pub conv3: Conv,
     pub bn3: BatchNorm,
     pub downsample: Option<Downsample>,
+    /// Storage type of what the backward needs (and of the output).
+    pub precision: Precision,
+    /// Recompute relu(bn1(y1)) and relu(bn2(y2)) in backward instead of
+    /// keeping them.
+    pub recompute_bn_relu: bool,
 }
 
-/// What `Bottleneck::backward` needs.
+/// What `Bottleneck::backward` needs. Tensors are stored in the block's
+/// precision.
 pub struct BottleneckSaved {
     x: Tensor,  // (n, h, w, cin)       block input and residual
     y1: Tensor, // (n, h, w, m)         conv1 out
     bn1: BnStats,
-    a1: Tensor, // (n, h, w, m)         conv2 input
-    y2: Tensor, // (n, h', w', m)       conv2 out (stride here)
+    a1: Option<Tensor>, // (n, h, w, m)   conv2 input; None: recomputed
+    y2: Tensor,         // (n, h', w', m)       conv2 out (stride here)
     bn2: BnStats,
-    a2: Tensor, // (n, h', w', m)       conv3 input
-    y3: Tensor, // (n, h', w', 4m)      conv3 out
+    a2: Option<Tensor>, // (n, h', w', m) conv3 input; None: recomputed
+    y3: Tensor,         // (n, h', w', 4m)      conv3 out
     bn3: BnStats,
     down: Option<DownsampleSaved>,
     mask: Tensor, // (n, h', w', 4m) bits: final ReLU passed
@@ -274,12 +368,14 @@ impl BottleneckSaved {
     }
 
     pub fn bytes(&self) -> usize {
-        [
-            &self.x, &self.y1, &self.a1, &self.y2, &self.a2, &self.y3, &self.mask,
-        ]
-        .iter()
-        .map(|t| t.bytes())
-        .sum::<usize>()
+        [&self.x, &self.y1, &self.y2, &self.y3, &self.mask]
+            .iter()
+            .map(|t| t.bytes())
+            .sum::<usize>()
+            + [&self.a1, &self.a2]
+                .iter()
+                .map(|t| t.as_ref().map_or(0, |t| t.bytes()))
+                .sum::<usize>()
             + self.bn1.bytes()
             + self.bn2.bytes()
             + self.bn3.bytes()
@@ -323,6 +419,8 @@ impl Bottleneck {
             conv3: Conv::new(pool, rng, &format!("{name}.conv3"), planes, cout, 1, 1, 0)?,
             bn3: BatchNorm::new(pool, &format!("{name}.bn3"), cout, zero_init_last_bn)?,
             downsample,
+            precision: Precision::F32,
+            recompute_bn_relu: false,
         })
     }
 
@@ -331,41 +429,59 @@ impl Bottleneck {
         (g.oh(), g.ow(), self.conv3.cout)
     }
 
+    /// `x` may be f32 or the block's precision; the output is stored in
+    /// the block's precision.
     pub fn forward(
         &mut self,
         pool: &Pool,
         x: Tensor,
         mode: Mode,
     ) -> Result<(Tensor, Option<BottleneckSaved>)> {
-        let y1 = self.conv1.forward(pool, &x, "y")?;
+        let p = self.precision;
+        // Eval keeps nothing past the block, so converting would be waste.
+        let sp = if mode.saves() { p } else { Precision::F32 };
+        let cheap = self.recompute_bn_relu;
+        let xv = f32_view(pool, &x)?;
+        let y1 = self.conv1.forward(pool, &xv, "y")?;
         let (a1, bn1) = self.bn1.forward(pool, &y1, true, mode, "a")?;
+        let y1 = store(pool, y1, sp)?;
         let y2 = self.conv2.forward(pool, &a1, "y")?;
+        let a1 = keep_bn_relu(pool, a1, sp, cheap)?;
         let (a2, bn2) = self.bn2.forward(pool, &y2, true, mode, "a")?;
+        let y2 = store(pool, y2, sp)?;
         let y3 = self.conv3.forward(pool, &a2, "y")?;
+        let a2 = keep_bn_relu(pool, a2, sp, cheap)?;
         let (mut z, bn3) = self.bn3.forward(pool, &y3, false, mode, "out")?;
+        let y3 = store(pool, y3, sp)?;
         let (mask, down) = match self.downsample.as_mut() {
             Some(ds) => {
-                let (identity, saved) = ds.forward(pool, &x, mode)?;
+                let (identity, saved) = ds.forward(pool, &xv, mode, sp)?;
                 (
-                    join_residual(pool, &self.name, &mut z, &identity)?,
+                    join_residual(pool, &self.name, &mut z, &identity, p)?,
                     Some(saved),
                 )
             }
-            None => (join_residual(pool, &self.name, &mut z, &x)?, None),
+            None => (join_residual(pool, &self.name, &mut z, &xv, p)?, None),
         };
-        let saved = mode.saves().then_some(BottleneckSaved {
-            x,
-            y1,
-            bn1,
-            a1,
-            y2,
-            bn2,
-            a2,
-            y3,
-            bn3,
-            down,
-            mask,
-        });
+        drop(xv);
+        let z = store(pool, z, p)?;
+        let saved = if mode.saves() {
+            Some(BottleneckSaved {
+                x: store(pool, x, sp)?,
+                y1,
+                bn1,
+                a1,
+                y2,
+                bn2,
+                a2,
+                y3,
+                bn3,
+                down,
+                mask,
+            })
+        } else {
+            None
+        };
         Ok((z, saved))
     }
 
@@ -375,42 +491,51 @@ impl Bottleneck {
         s: BottleneckSaved,
         mut d_out: Tensor,
     ) -> Result<Tensor> {
+        let p = self.precision;
         if pool.computes() {
             relu::relu_mask_backward_inplace(d_out.f32_mut(), s.mask.bits());
         }
         let d_z = d_out;
-        let d_y3 = self.bn3.backward(pool, &d_z, &s.y3, &s.bn3, None)?;
+        let y3 = f32_view(pool, &s.y3)?;
+        let d_y3 = self.bn3.backward(pool, &d_z, &y3, &s.bn3, None)?;
+        drop(y3);
         drop((s.y3, s.bn3));
-        let mut d_a2 = Conv::zeros_like(pool, &s.a2, Tag::new(&self.name, "d_a2"))?;
-        self.conv3.backward(pool, &d_y3, &s.a2, Some(&mut d_a2))?;
+        let y2 = f32_view(pool, &s.y2)?;
+        let a2 = bn_relu_view(pool, &s.a2, &self.bn2, &y2, &s.bn2)?;
+        let mut d_a2 = Conv::zeros_like(pool, &a2, Tag::new(&self.name, "d_a2"))?;
+        self.conv3.backward(pool, &d_y3, &a2, Some(&mut d_a2))?;
         drop(d_y3);
-        let d_y2 = self.bn2.backward(pool, &d_a2, &s.y2, &s.bn2, Some(&s.a2))?;
-        drop((d_a2, s.a2, s.y2, s.bn2));
-        let mut d_a1 = Conv::zeros_like(pool, &s.a1, Tag::new(&self.name, "d_a1"))?;
-        self.conv2.backward(pool, &d_y2, &s.a1, Some(&mut d_a1))?;
+        let d_y2 = self.bn2.backward(pool, &d_a2, &y2, &s.bn2, Some(&a2))?;
+        drop((d_a2, a2, y2));
+        drop((s.a2, s.y2, s.bn2));
+        let y1 = f32_view(pool, &s.y1)?;
+        let a1 = bn_relu_view(pool, &s.a1, &self.bn1, &y1, &s.bn1)?;
+        let mut d_a1 = Conv::zeros_like(pool, &a1, Tag::new(&self.name, "d_a1"))?;
+        self.conv2.backward(pool, &d_y2, &a1, Some(&mut d_a1))?;
         drop(d_y2);
-        let d_y1 = self.bn1.backward(pool, &d_a1, &s.y1, &s.bn1, Some(&s.a1))?;
-        drop((d_a1, s.a1, s.y1, s.bn1));
-        let mut d_x = Conv::zeros_like(pool, &s.x, Tag::new(&self.name, "dx"))?;
-        self.conv1.backward(pool, &d_y1, &s.x, Some(&mut d_x))?;
+        let d_y1 = self.bn1.backward(pool, &d_a1, &y1, &s.bn1, Some(&a1))?;
+        drop((d_a1, a1, y1));
+        drop((s.a1, s.y1, s.bn1));
+        let x = f32_view(pool, &s.x)?;
+        let mut d_x = Conv::zeros_like(pool, &x, Tag::new(&self.name, "dx"))?;
+        self.conv1.backward(pool, &d_y1, &x, Some(&mut d_x))?;
         drop(d_y1);
-        match (self.downsample.as_mut(), s.down) {
-            (Some(ds), Some(saved)) => ds.backward(pool, saved, &d_z, &s.x, &mut d_x)?,
-            _ if pool.computes() => add::add_assign(d_x.f32_mut(), d_z.f32()),
-            _ => {}
-        }
+        let down = self.downsample.as_mut().zip(s.down);
+        join_residual_backward(pool, down, &d_z, &x, &mut d_x, p)?;
         Ok(d_x)
     }
 
     pub fn saved_bytes(&self, n: usize, h: usize, w: usize) -> usize {
+        let e = self.precision.bytes();
         let g1 = self.conv1.geom(n, h, w);
         let g2 = self.conv2.geom(n, h, w);
         let out = g2.rows() * self.conv3.cout;
-        let mut b = 4 * (g1.input_len() + 2 * g1.output_len() + 2 * g2.output_len() + out)
+        let per_inner = if self.recompute_bn_relu { 1 } else { 2 };
+        let mut b = e * (g1.input_len() + per_inner * (g1.output_len() + g2.output_len()) + out)
             + out.div_ceil(8);
         b += self.bn1.stats_bytes() + self.bn2.stats_bytes() + self.bn3.stats_bytes();
         if let Some(ds) = &self.downsample {
-            b += 4 * out + ds.bn.stats_bytes();
+            b += e * out + ds.bn.stats_bytes();
         }
         b
     }

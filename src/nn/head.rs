@@ -4,12 +4,16 @@ use rand::rngs::ChaCha8Rng;
 
 use crate::error::Result;
 use crate::memory::{Category, Pool, Tag};
-use crate::nn::{Linear, Mode};
+use crate::nn::precision::{f32_view, store};
+use crate::nn::{Linear, Mode, Precision};
 use crate::ops::avgpool;
 use crate::tensor::Tensor;
 
 pub struct Head {
     pub fc: Linear,
+    /// Storage type of the pooled features; the logits stay f32 for the
+    /// loss (rounded to this type, as a low-type linear outputs them).
+    pub precision: Precision,
 }
 
 /// What `Head::backward` needs: the pooled features (for fc's weight
@@ -29,6 +33,7 @@ impl Head {
     pub fn new(pool: &Pool, rng: &mut ChaCha8Rng, features: usize, classes: usize) -> Result<Self> {
         Ok(Head {
             fc: Linear::new(pool, rng, "fc", features, classes)?,
+            precision: Precision::F32,
         })
     }
 
@@ -41,20 +46,29 @@ impl Head {
         let (n, h, w, c) = x.shape().nhwc();
         let mut pooled =
             pool.empty_f32(&[n, c], Category::Activations, Tag::fixed("avgpool.out"))?;
+        let xv = f32_view(pool, &x)?;
         if pool.computes() {
-            avgpool::avgpool_forward(pooled.f32_mut(), x.f32(), h * w, c);
+            avgpool::avgpool_forward(pooled.f32_mut(), xv.f32(), h * w, c);
+            self.precision.round(pooled.f32_mut());
         }
+        drop(xv);
         drop(x);
         let logits = self.fc.forward(pool, &pooled)?;
-        let saved = mode.saves().then_some(HeadSaved {
-            pooled,
-            input_dims: [n, h, w, c],
-        });
+        let saved = if mode.saves() {
+            Some(HeadSaved {
+                pooled: store(pool, pooled, self.precision)?,
+                input_dims: [n, h, w, c],
+            })
+        } else {
+            None
+        };
         Ok((logits, saved))
     }
 
     pub fn backward(&mut self, pool: &Pool, s: HeadSaved, d_logits: Tensor) -> Result<Tensor> {
-        let d_pooled = self.fc.backward(pool, &d_logits, &s.pooled)?;
+        let pooled = f32_view(pool, &s.pooled)?;
+        let d_pooled = self.fc.backward(pool, &d_logits, &pooled)?;
+        drop(pooled);
         drop((d_logits, s.pooled));
         let [n, h, w, c] = s.input_dims;
         let mut dx = pool.empty_f32(
@@ -64,11 +78,12 @@ impl Head {
         )?;
         if pool.computes() {
             avgpool::avgpool_backward(dx.f32_mut(), d_pooled.f32(), h * w, c);
+            self.precision.round(dx.f32_mut());
         }
         Ok(dx)
     }
 
     pub fn saved_bytes(&self, n: usize) -> usize {
-        4 * n * self.fc.fin
+        self.precision.bytes() * n * self.fc.fin
     }
 }

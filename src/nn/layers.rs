@@ -7,7 +7,8 @@ use rand::rngs::ChaCha8Rng;
 
 use crate::error::Result;
 use crate::memory::{Category, Pool, Tag};
-use crate::nn::{BnPolicy, Mode, Param, normal, uniform};
+use crate::nn::precision::rounded_weight;
+use crate::nn::{BnPolicy, Mode, Param, Precision, normal, uniform};
 use crate::ops::conv2d::ConvGeom;
 use crate::ops::{batchnorm as bn, conv2d, linear};
 use crate::tensor::Tensor;
@@ -21,6 +22,8 @@ pub struct Conv {
     pub k: usize,
     pub stride: usize,
     pub pad: usize,
+    /// Operands are rounded to this type; the output and dx too.
+    pub precision: Precision,
 }
 
 impl Conv {
@@ -46,6 +49,7 @@ impl Conv {
             k,
             stride,
             pad,
+            precision: Precision::F32,
         })
     }
 
@@ -63,6 +67,7 @@ impl Conv {
         }
     }
 
+    /// `x` is f32 (under mixed precision, already rounded to the low type).
     pub fn forward(&self, pool: &Pool, x: &Tensor, field: &'static str) -> Result<Tensor> {
         let (n, h, w, _) = x.shape().nhwc();
         let g = self.geom(n, h, w);
@@ -71,6 +76,12 @@ impl Conv {
             &[n, g.oh(), g.ow(), self.cout],
             Category::Activations,
             Tag::new(&self.name, field),
+        )?;
+        let w_low = rounded_weight(
+            pool,
+            &self.weight.value,
+            self.precision,
+            Tag::new(&self.name, "weight_low"),
         )?;
         let mut ws = pool.empty_f32(
             &[g.forward_workspace_len()],
@@ -81,11 +92,12 @@ impl Conv {
             conv2d::conv2d_forward(
                 y.f32_mut(),
                 x.f32(),
-                self.weight.value.f32(),
+                w_low.as_ref().unwrap_or(&self.weight.value).f32(),
                 &g,
                 ws.f32_mut(),
             );
         }
+        self.precision.round_tensor(pool, &mut y);
         Ok(y)
     }
 
@@ -100,21 +112,31 @@ impl Conv {
     ) -> Result<()> {
         let (n, h, w, _) = x.shape().nhwc();
         let g = self.geom(n, h, w);
+        let w_low = rounded_weight(
+            pool,
+            &self.weight.value,
+            self.precision,
+            Tag::new(&self.name, "weight_low"),
+        )?;
         let mut ws = pool.empty_f32(
             &[g.backward_workspace_len()],
             Category::Workspace,
             Tag::new(&self.name, "im2col"),
         )?;
         if pool.computes() {
+            let mut dx = dx;
             conv2d::conv2d_backward(
-                dx.map(|t| t.f32_mut()),
+                dx.as_deref_mut().map(|t| t.f32_mut()),
                 self.weight.grad.f32_mut(),
                 dy.f32(),
                 x.f32(),
-                self.weight.value.f32(),
+                w_low.as_ref().unwrap_or(&self.weight.value).f32(),
                 &g,
                 ws.f32_mut(),
             );
+            if let Some(dx) = dx {
+                self.precision.round(dx.f32_mut());
+            }
         }
         Ok(())
     }
@@ -151,6 +173,8 @@ pub struct BatchNorm {
     pub eps: f32,
     pub momentum: f32,
     pub policy: BnPolicy,
+    /// The output and dx are rounded to this type; statistics stay f32.
+    pub precision: Precision,
 }
 
 impl BatchNorm {
@@ -177,6 +201,7 @@ impl BatchNorm {
             eps: 1e-5,
             momentum: 0.1,
             policy: BnPolicy::Batch,
+            precision: Precision::F32,
         })
     }
 
@@ -226,27 +251,42 @@ impl BatchNorm {
             mean.f32_mut().copy_from_slice(self.running_mean.f32());
             bn::bn_rstd(rstd.f32_mut(), self.running_var.f32(), self.eps);
         }
-        let mut y = pool.empty_f32(x.dims(), Category::Activations, tag(field))?;
-        if computes {
+        let stats = BnStats {
+            mean,
+            rstd,
+            from_batch,
+        };
+        let y = self.apply(pool, x, &stats, relu, tag(field))?;
+        Ok((y, stats))
+    }
+
+    /// Normalises `x` with given statistics (and ReLU when `relu`): the
+    /// forward's second half, and what a backward runs again to recompute
+    /// a BN+ReLU output instead of storing it (bit-identical to the
+    /// forward's, as the same kernel sees the same inputs).
+    pub fn apply(
+        &self,
+        pool: &Pool,
+        x: &Tensor,
+        stats: &BnStats,
+        relu: bool,
+        tag: Tag,
+    ) -> Result<Tensor> {
+        let mut y = pool.empty_f32(x.dims(), Category::Activations, tag)?;
+        if pool.computes() {
             bn::bn_forward(
                 y.f32_mut(),
                 x.f32(),
-                mean.f32(),
-                rstd.f32(),
+                stats.mean.f32(),
+                stats.rstd.f32(),
                 self.weight.value.f32(),
                 self.bias.value.f32(),
-                c,
+                self.c,
                 relu,
             );
+            self.precision.round(y.f32_mut());
         }
-        Ok((
-            y,
-            BnStats {
-                mean,
-                rstd,
-                from_batch,
-            },
-        ))
+        Ok(y)
     }
 
     /// Returns dx; accumulates the affine gradients unless frozen.
@@ -276,6 +316,7 @@ impl BatchNorm {
             self.c,
             stats.from_batch,
         );
+        self.precision.round(dx.f32_mut());
         Ok(dx)
     }
 }
@@ -287,6 +328,8 @@ pub struct Linear {
     pub bias: Param,
     pub fin: usize,
     pub fout: usize,
+    /// Operands are rounded to this type; the output and dx too.
+    pub precision: Precision,
 }
 
 impl Linear {
@@ -308,6 +351,7 @@ impl Linear {
             bias: Param::new(pool, &format!("{name}.bias"), &[fout], &b)?,
             fin,
             fout,
+            precision: Precision::F32,
         })
     }
 
@@ -318,24 +362,37 @@ impl Linear {
             Category::Activations,
             Tag::new(&self.name, "y"),
         )?;
+        let w_low = rounded_weight(
+            pool,
+            &self.weight.value,
+            self.precision,
+            Tag::new(&self.name, "weight_low"),
+        )?;
         if !pool.computes() {
             return Ok(y);
         }
         linear::linear_forward(
             y.f32_mut(),
             x.f32(),
-            self.weight.value.f32(),
+            w_low.as_ref().unwrap_or(&self.weight.value).f32(),
             self.bias.value.f32(),
             n,
             self.fin,
             self.fout,
         );
+        self.precision.round(y.f32_mut());
         Ok(y)
     }
 
     pub fn backward(&mut self, pool: &Pool, dy: &Tensor, x: &Tensor) -> Result<Tensor> {
         let n = x.dims()[0];
         let mut dx = pool.empty_f32(x.dims(), Category::Activations, Tag::new(&self.name, "dx"))?;
+        let w_low = rounded_weight(
+            pool,
+            &self.weight.value,
+            self.precision,
+            Tag::new(&self.name, "weight_low"),
+        )?;
         if !pool.computes() {
             return Ok(dx);
         }
@@ -345,11 +402,12 @@ impl Linear {
             self.bias.grad.f32_mut(),
             dy.f32(),
             x.f32(),
-            self.weight.value.f32(),
+            w_low.as_ref().unwrap_or(&self.weight.value).f32(),
             n,
             self.fin,
             self.fout,
         );
+        self.precision.round(dx.f32_mut());
         Ok(dx)
     }
 }

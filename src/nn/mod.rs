@@ -5,6 +5,7 @@
 mod block;
 mod head;
 mod layers;
+pub mod precision;
 pub mod reference;
 mod resnet;
 mod stem;
@@ -12,6 +13,7 @@ mod stem;
 pub use block::{BasicBlock, BasicSaved, Bottleneck, BottleneckSaved};
 pub use head::{Head, HeadSaved};
 pub use layers::{BatchNorm, BnStats, Conv, Linear};
+pub use precision::Precision;
 pub use resnet::{BlockKind, ResNet, ResNetConfig, Saved, Stage, StateSlot, WeightLayout};
 pub use stem::{Stem, StemKind, StemSaved};
 

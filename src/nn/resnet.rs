@@ -7,7 +7,7 @@ use crate::error::{Error, Result};
 use crate::memory::Pool;
 use crate::nn::{
     BasicBlock, BasicSaved, BnPolicy, Bottleneck, BottleneckSaved, Head, HeadSaved, Mode, Param,
-    Stem, StemKind, StemSaved,
+    Precision, Stem, StemKind, StemSaved,
 };
 use crate::tensor::Tensor;
 
@@ -32,6 +32,11 @@ pub struct ResNetConfig {
     /// the identity), torchvision's `zero_init_residual`.
     pub zero_init_residual: bool,
     pub seed: u64,
+    /// Compute and storage type of activations (mixed precision).
+    pub precision: Precision,
+    /// Recompute every BN+ReLU output in backward instead of keeping it
+    /// (the plan option `+bn-relu`).
+    pub recompute_bn_relu: bool,
 }
 
 impl ResNetConfig {
@@ -44,6 +49,8 @@ impl ResNetConfig {
             stem: StemKind::ImageNet,
             zero_init_residual: false,
             seed: 0,
+            precision: Precision::F32,
+            recompute_bn_relu: false,
         }
     }
     pub fn resnet18() -> Self {
@@ -417,7 +424,11 @@ impl ResNet {
             cin,
             config.num_classes,
         )?));
-        Ok(ResNet { config, stages })
+        let (precision, bn_relu) = (config.precision, config.recompute_bn_relu);
+        let mut model = ResNet { config, stages };
+        model.set_precision(precision);
+        model.set_recompute_bn_relu(bn_relu);
+        Ok(model)
     }
 
     /// Visit every state_dict entry in torchvision order.
@@ -470,6 +481,68 @@ impl ResNet {
                         set(&mut d.bn, policy);
                     }
                 }
+                Stage::Head(_) => {}
+            }
+        }
+    }
+
+    /// Compute and storage type of activations (see [`Precision`]).
+    pub fn set_precision(&mut self, p: Precision) {
+        self.config.precision = p;
+        for s in &mut self.stages {
+            match s {
+                Stage::Stem(st) => {
+                    st.precision = p;
+                    st.conv1.precision = p;
+                    st.bn1.precision = p;
+                }
+                Stage::Basic(b) => {
+                    b.precision = p;
+                    for c in [&mut b.conv1, &mut b.conv2] {
+                        c.precision = p;
+                    }
+                    for n in [&mut b.bn1, &mut b.bn2] {
+                        n.precision = p;
+                    }
+                    if let Some(d) = b.downsample.as_mut() {
+                        d.conv.precision = p;
+                        d.bn.precision = p;
+                    }
+                }
+                Stage::Bottleneck(b) => {
+                    b.precision = p;
+                    for c in [&mut b.conv1, &mut b.conv2, &mut b.conv3] {
+                        c.precision = p;
+                    }
+                    for n in [&mut b.bn1, &mut b.bn2, &mut b.bn3] {
+                        n.precision = p;
+                    }
+                    if let Some(d) = b.downsample.as_mut() {
+                        d.conv.precision = p;
+                        d.bn.precision = p;
+                    }
+                }
+                Stage::Head(h) => {
+                    h.precision = p;
+                    h.fc.precision = p;
+                }
+            }
+        }
+    }
+
+    pub fn precision(&self) -> Precision {
+        self.config.precision
+    }
+
+    /// Whether stages recompute their BN+ReLU outputs in backward instead of
+    /// keeping them (the head has none).
+    pub fn set_recompute_bn_relu(&mut self, on: bool) {
+        self.config.recompute_bn_relu = on;
+        for s in &mut self.stages {
+            match s {
+                Stage::Stem(st) => st.recompute_bn_relu = on,
+                Stage::Basic(b) => b.recompute_bn_relu = on,
+                Stage::Bottleneck(b) => b.recompute_bn_relu = on,
                 Stage::Head(_) => {}
             }
         }

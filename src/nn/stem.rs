@@ -8,7 +8,8 @@ use rand::rngs::ChaCha8Rng;
 
 use crate::error::{Error, Result};
 use crate::memory::{Category, Pool, Tag};
-use crate::nn::{BatchNorm, BnStats, Conv, Mode};
+use crate::nn::precision::{f32_view, store};
+use crate::nn::{BatchNorm, BnStats, Conv, Mode, Precision};
 use crate::ops::maxpool::{self, PoolGeom};
 use crate::ops::relu;
 use crate::tensor::{DType, Tensor};
@@ -56,12 +57,19 @@ pub struct Stem {
     pub kind: StemKind,
     pub conv1: Conv,
     pub bn1: BatchNorm,
+    /// Storage type of what the backward needs (and of the output); the
+    /// images are rounded to it, as autocast casts a convolution's input.
+    pub precision: Precision,
+    /// Recompute relu(bn1(y)) (the max pool's input) in backward instead of
+    /// keeping it.
+    pub recompute_bn_relu: bool,
 }
 
 /// What follows conv1 and BN in the saved state, by stem kind.
 enum StemTail {
-    /// (n, h', w', c) ReLU output: BN's ReLU mask and the max pool's input.
-    Pool { a: Tensor },
+    /// (n, h', w', c) ReLU output: BN's ReLU mask and the max pool's input
+    /// (None: recomputed in backward).
+    Pool { a: Option<Tensor> },
     /// (n, h', w', c) bits: ReLU passed. The ReLU output itself is the stage
     /// output, which the next stage keeps.
     Mask { mask: Tensor },
@@ -83,7 +91,7 @@ impl StemSaved {
 
     pub fn bytes(&self) -> usize {
         let tail = match &self.tail {
-            StemTail::Pool { a } => a.bytes(),
+            StemTail::Pool { a } => a.as_ref().map_or(0, |a| a.bytes()),
             StemTail::Mask { mask } => mask.bytes(),
         };
         self.x.bytes() + self.y.bytes() + self.bn.bytes() + tail
@@ -97,6 +105,8 @@ impl Stem {
             kind,
             conv1: Conv::new(pool, rng, "conv1", 3, width, k, stride, pad)?,
             bn1: BatchNorm::new(pool, "bn1", width, false)?,
+            precision: Precision::F32,
+            recompute_bn_relu: false,
         })
     }
 
@@ -122,13 +132,22 @@ impl Stem {
         (p.oh(), p.ow(), self.conv1.cout)
     }
 
+    /// `x`: the images, f32 (rounded here under mixed precision) or, when
+    /// a checkpoint replays the stem, as the stem stored them.
     pub fn forward(
         &mut self,
         pool: &Pool,
-        x: Tensor,
+        mut x: Tensor,
         mode: Mode,
     ) -> Result<(Tensor, Option<StemSaved>)> {
-        let y = self.conv1.forward(pool, &x, "y")?;
+        let p = self.precision;
+        let sp = if mode.saves() { p } else { Precision::F32 };
+        if x.dtype() == DType::F32 {
+            p.round_tensor(pool, &mut x);
+        }
+        let xv = f32_view(pool, &x)?;
+        let y = self.conv1.forward(pool, &xv, "y")?;
+        drop(xv);
         if self.kind == StemKind::Small {
             let (mut a, bn) = self.bn1.forward(pool, &y, false, mode, "a")?;
             let mut mask = pool.empty(
@@ -140,15 +159,21 @@ impl Stem {
             if pool.computes() {
                 relu::relu_mask_forward(a.f32_mut(), mask.bits_mut());
             }
-            let saved = mode.saves().then_some(StemSaved {
-                x,
-                y,
-                bn,
-                tail: StemTail::Mask { mask },
-            });
+            let a = store(pool, a, p)?;
+            let saved = if mode.saves() {
+                Some(StemSaved {
+                    x: store(pool, x, sp)?,
+                    y: store(pool, y, sp)?,
+                    bn,
+                    tail: StemTail::Mask { mask },
+                })
+            } else {
+                None
+            };
             return Ok((a, saved));
         }
         let (a, bn) = self.bn1.forward(pool, &y, true, mode, "a")?;
+        let y = store(pool, y, sp)?;
         let (n, h, w, c) = a.shape().nhwc();
         let g = Self::pool_geom(n, h, w, c);
         g.validate()?;
@@ -158,58 +183,87 @@ impl Stem {
             Tag::fixed("maxpool.out"),
         )?;
         if pool.computes() {
+            // The max of rounded values needs no rounding.
             maxpool::maxpool_forward(out.f32_mut(), a.f32(), &g);
         }
-        let saved = mode.saves().then_some(StemSaved {
-            x,
-            y,
-            bn,
-            tail: StemTail::Pool { a },
-        });
+        let out = store(pool, out, p)?;
+        let saved = if mode.saves() {
+            let a = if self.recompute_bn_relu {
+                None
+            } else {
+                Some(store(pool, a, sp)?)
+            };
+            Some(StemSaved {
+                x: store(pool, x, sp)?,
+                y,
+                bn,
+                tail: StemTail::Pool { a },
+            })
+        } else {
+            None
+        };
         Ok((out, saved))
     }
 
     /// The images need no gradient, so this returns nothing.
     pub fn backward(&mut self, pool: &Pool, saved: StemSaved, mut d_out: Tensor) -> Result<()> {
         let StemSaved { x, y, bn, tail } = saved;
+        let yv = f32_view(pool, &y)?;
         let d_y = match tail {
             StemTail::Mask { mask } => {
                 if pool.computes() {
                     relu::relu_mask_backward_inplace(d_out.f32_mut(), mask.bits());
                 }
                 drop(mask);
-                let d_y = self.bn1.backward(pool, &d_out, &y, &bn, None)?;
+                let d_y = self.bn1.backward(pool, &d_out, &yv, &bn, None)?;
                 drop(d_out);
                 d_y
             }
             StemTail::Pool { a } => {
-                let (n, h, w, c) = a.shape().nhwc();
+                let av = match &a {
+                    Some(a) => f32_view(pool, a)?,
+                    None => crate::nn::precision::F32View::Owned(self.bn1.apply(
+                        pool,
+                        &yv,
+                        &bn,
+                        true,
+                        Tag::fixed("bn1.a_recomputed"),
+                    )?),
+                };
+                let (n, h, w, c) = av.shape().nhwc();
                 let mut d_a =
-                    pool.empty_f32(a.dims(), Category::Activations, Tag::fixed("maxpool.dx"))?;
+                    pool.empty_f32(av.dims(), Category::Activations, Tag::fixed("maxpool.dx"))?;
                 if pool.computes() {
                     maxpool::maxpool_backward(
                         d_a.f32_mut(),
                         d_out.f32(),
-                        a.f32(),
+                        av.f32(),
                         &Self::pool_geom(n, h, w, c),
                     );
+                    self.precision.round(d_a.f32_mut());
                 }
                 drop(d_out);
-                let d_y = self.bn1.backward(pool, &d_a, &y, &bn, Some(&a))?;
-                drop((d_a, a));
+                let d_y = self.bn1.backward(pool, &d_a, &yv, &bn, Some(&av))?;
+                drop((d_a, av));
+                drop(a);
                 d_y
             }
         };
-        self.conv1.backward(pool, &d_y, &x, None)
+        drop(yv);
+        drop(y);
+        let xv = f32_view(pool, &x)?;
+        self.conv1.backward(pool, &d_y, &xv, None)
     }
 
     /// Closed form of `StemSaved::bytes` for a batch of n (h, w) images.
     pub fn saved_bytes(&self, n: usize, h: usize, w: usize) -> usize {
+        let e = self.precision.bytes();
         let g = self.conv1.geom(n, h, w);
         let tail = match self.kind {
-            StemKind::ImageNet => 4 * g.output_len(),
+            StemKind::ImageNet if self.recompute_bn_relu => 0,
+            StemKind::ImageNet => e * g.output_len(),
             StemKind::Small => g.output_len().div_ceil(8),
         };
-        4 * (g.input_len() + g.output_len()) + tail + self.bn1.stats_bytes()
+        e * (g.input_len() + g.output_len()) + tail + self.bn1.stats_bytes()
     }
 }

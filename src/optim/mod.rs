@@ -9,10 +9,12 @@
 
 pub mod adamw;
 pub mod clip;
+pub mod scaler;
 pub mod schedule;
 
 pub use adamw::{AdamW, adamw_update};
 pub use clip::{clip_grad_norm, clip_grad_norm_slices, grad_norm};
+pub use scaler::{GradScaler, ScalerStep};
 pub use schedule::{LrSchedule, Schedule};
 
 use crate::error::Result;

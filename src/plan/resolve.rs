@@ -6,7 +6,7 @@ use std::fmt::Write;
 use crate::error::{Error, Result};
 use crate::exec::Plan;
 use crate::memory::{Category, MemoryStats, fmt_bytes};
-use crate::nn::{BnPolicy, ResNetConfig};
+use crate::nn::{BnPolicy, Precision, ResNetConfig};
 use crate::optim::Optimizer;
 use crate::plan::{CostModel, Strategy, auto_plan, segments_plan, simulate, stages_plan};
 
@@ -23,11 +23,20 @@ pub struct PlanRequest<'a> {
     pub image_size: usize,
     pub budget: Option<usize>,
     pub strategy: Strategy,
+    /// `--precision auto`: choose between fp32 and bf16 (`config.precision`
+    /// is ignored). fp32 wins unless bf16 fits where fp32 does not, or
+    /// (under `--checkpoint auto`) fits a larger micro-batch or a plan with
+    /// less recomputation.
+    pub auto_precision: bool,
 }
 
 /// The plan a run will use and what it is predicted to cost.
 pub struct Resolved {
     pub strategy: Strategy,
+    /// The precision the plan was made for (the model must use it).
+    pub precision: Precision,
+    /// Whether BN+ReLU outputs are recomputed in backward.
+    pub recompute_bn_relu: bool,
     pub plan: Plan,
     pub micro_batch: usize,
     pub costs: CostModel,
@@ -44,6 +53,49 @@ impl Resolved {
 }
 
 pub fn resolve(req: &PlanRequest<'_>) -> Result<Resolved> {
+    if !req.auto_precision {
+        return resolve_for(req, req.config);
+    }
+    let mut best: Option<Resolved> = None;
+    let mut first_err = None;
+    for p in [Precision::F32, Precision::BF16] {
+        let config = ResNetConfig {
+            precision: p,
+            ..req.config.clone()
+        };
+        match resolve_for(req, &config) {
+            Ok(r) => {
+                let better = match &best {
+                    None => true,
+                    // Only `auto` can gain from bf16 once fp32 fits.
+                    Some(b) => {
+                        req.strategy == Strategy::Auto
+                            && (r.micro_batch > b.micro_batch
+                                || (r.micro_batch == b.micro_batch
+                                    && r.costs.recompute_seconds(&r.plan)
+                                        < b.costs.recompute_seconds(&b.plan)))
+                    }
+                };
+                if better {
+                    best = Some(r);
+                }
+                if req.strategy != Strategy::Auto {
+                    break; // fp32 fits: keep it
+                }
+            }
+            Err(e) => {
+                first_err.get_or_insert(e);
+            }
+        }
+    }
+    match (best, first_err) {
+        (Some(b), _) => Ok(b),
+        (None, Some(e)) => Err(e),
+        (None, None) => unreachable!("two precisions were tried"),
+    }
+}
+
+fn resolve_for(req: &PlanRequest<'_>, config: &ResNetConfig) -> Result<Resolved> {
     if req.batch == 0 {
         return Err(Error::invalid("plan", "batch size must be at least 1"));
     }
@@ -64,7 +116,7 @@ pub fn resolve(req: &PlanRequest<'_>) -> Result<Resolved> {
                 .budget
                 .ok_or_else(|| Error::invalid("--checkpoint", "auto needs --memory-budget"))?;
             let choice = auto_plan(
-                req.config,
+                config,
                 req.bn,
                 req.optimizer,
                 req.batch,
@@ -73,7 +125,7 @@ pub fn resolve(req: &PlanRequest<'_>) -> Result<Resolved> {
                 budget,
             )?;
             let costs = CostModel::measure(
-                req.config,
+                config,
                 req.bn,
                 req.optimizer,
                 choice.micro_batch,
@@ -83,8 +135,7 @@ pub fn resolve(req: &PlanRequest<'_>) -> Result<Resolved> {
         }
         other => {
             let micro = req.micro_batch.unwrap_or(req.batch);
-            let costs =
-                CostModel::measure(req.config, req.bn, req.optimizer, micro, req.image_size)?;
+            let costs = CostModel::measure(config, req.bn, req.optimizer, micro, req.image_size)?;
             let n = costs.stages.len();
             let plan = match other {
                 Strategy::None => Plan::keep_all_len(n),
@@ -98,14 +149,7 @@ pub fn resolve(req: &PlanRequest<'_>) -> Result<Resolved> {
             (plan, micro, costs)
         }
     };
-    let predicted = simulate(
-        req.config,
-        req.bn,
-        req.optimizer,
-        &plan,
-        micro,
-        req.image_size,
-    )?;
+    let predicted = simulate(config, req.bn, req.optimizer, &plan, micro, req.image_size)?;
     if let Some(budget) = req.budget
         && predicted.peak_total > budget
     {
@@ -120,6 +164,8 @@ pub fn resolve(req: &PlanRequest<'_>) -> Result<Resolved> {
     }
     Ok(Resolved {
         strategy: req.strategy.clone(),
+        precision: config.precision,
+        recompute_bn_relu: config.recompute_bn_relu,
         plan,
         micro_batch: micro,
         costs,
@@ -133,13 +179,20 @@ pub fn report(r: &Resolved, batch: usize) -> String {
     let c = &r.costs;
     let _ = writeln!(
         s,
-        "micro-batch {} x {} accumulation step(s) = batch {batch}, {}x{} images, plan {}",
+        "micro-batch {} x {} accumulation step(s) = batch {batch}, {}x{} images, {}, plan {}",
         r.micro_batch,
         r.accum_steps(batch),
         c.image_size,
         c.image_size,
+        r.precision,
         r.plan
     );
+    if r.recompute_bn_relu {
+        let _ = writeln!(
+            s,
+            "BN+ReLU outputs are recomputed in backward from the kept BN inputs"
+        );
+    }
     let _ = writeln!(
         s,
         "{:<10} {:>10} {:>11} {:>11} {:>10}  action",

@@ -186,6 +186,14 @@ impl Tensor {
         self.lease.tag()
     }
 
+    /// The tag and category this tensor's storage was allocated under.
+    pub fn meta(&self) -> (crate::memory::Tag, crate::memory::Category) {
+        self.lease.meta().unwrap_or((
+            crate::memory::Tag::fixed("?"),
+            crate::memory::Category::Workspace,
+        ))
+    }
+
     /// Reinterpret with a new shape of the same element count.
     pub fn reshape(mut self, dims: &[usize]) -> Self {
         let shape = Shape::new(dims);

@@ -16,7 +16,7 @@ use crate::memory::{Category, MemoryStats, Pool, Tag, write_timeline_csv};
 use crate::nn::ResNet;
 use crate::ops::cross_entropy::cross_entropy_forward_backward;
 pub use crate::optim::Optimizer;
-use crate::optim::{LrSchedule, clip_grad_norm};
+use crate::optim::{GradScaler, LrSchedule, ScalerStep, clip_grad_norm};
 use crate::tensor::Tensor;
 
 pub struct TrainOptions {
@@ -48,6 +48,11 @@ pub struct TrainOptions {
     /// Write the allocator timeline of the first [`TRACE_STEPS`] optimizer
     /// steps here as CSV.
     pub memory_trace: Option<PathBuf>,
+    /// Dynamic loss scaling (f16): `None` trains unscaled.
+    pub scaler: Option<GradScaler>,
+    /// Test hook: at these optimizer steps (1-based) one gradient element
+    /// is set to inf after the backward, as an f16 overflow would.
+    pub inject_inf_steps: Vec<usize>,
 }
 
 /// Optimizer steps a `--memory-trace` covers: the first allocates the
@@ -85,6 +90,18 @@ fn gather(pool: &Pool, data: &InMemoryDataset, idx: &[usize]) -> Result<(Tensor,
         dst.copy_from_slice(data.image(i));
     }
     Ok((t, idx.iter().map(|&i| data.labels[i]).collect()))
+}
+
+/// The test hook of [`TrainOptions::inject_inf_steps`]: the first trainable
+/// gradient element becomes inf.
+fn inject_inf(model: &mut ResNet) {
+    let mut done = false;
+    model.visit_params(|p| {
+        if !done && !p.frozen {
+            p.grad.f32_mut()[0] = f32::INFINITY;
+            done = true;
+        }
+    });
 }
 
 /// Whether `label` is among the `k` largest logits of `row` (ties count
@@ -214,6 +231,7 @@ pub fn fit(
         .unwrap_or(opts.batch_size)
         .clamp(1, opts.batch_size);
     let mut rng = ChaCha8Rng::seed_from_u64(opts.seed);
+    let mut scaler = opts.scaler.clone();
     let mut reports = Vec::new();
     if opts.memory_trace.is_some() {
         pool.record_timeline(true);
@@ -254,27 +272,55 @@ pub fn fit(
                     LossOptions {
                         label_smoothing: opts.label_smoothing,
                         window_samples: Some(idx.len()),
+                        scale: scaler.as_ref().map(|s| s.scale),
                     },
                 )?;
                 out.loss += o.loss * micro_idx.len() as f64 / idx.len() as f64;
                 out.correct += o.correct;
             }
             step += 1;
-            if !out.loss.is_finite() {
+            if opts.inject_inf_steps.contains(&step) {
+                inject_inf(model);
+            }
+            // The scaler decides about non-finite values under f16: the
+            // step is skipped and the scale backs off.
+            if !out.loss.is_finite() && scaler.is_none() {
                 return Err(Error::NonFiniteLoss {
                     step,
                     loss: out.loss as f32,
                 });
             }
-            let grad_norm = opts.clip_grad_norm.map(|max| clip_grad_norm(model, max));
-            optimizer.step(pool, model)?;
+            // Unscale exactly once per optimizer step, before clipping.
+            let scaled = scaler.as_mut().map(|s| {
+                let found_inf = s.unscale(model);
+                ScalerStep {
+                    scale: s.scale,
+                    found_inf,
+                    skipped: found_inf,
+                }
+            });
+            let skip = scaled.is_some_and(|s| s.skipped);
+            let grad_norm = if skip {
+                None
+            } else {
+                opts.clip_grad_norm.map(|max| clip_grad_norm(model, max))
+            };
+            if !skip {
+                optimizer.step(pool, model)?;
+            }
+            if let (Some(s), Some(st)) = (scaler.as_mut(), scaled) {
+                s.update(st.found_inf);
+            }
             if step == TRACE_STEPS
                 && let Some(path) = &opts.memory_trace
             {
                 write_timeline_csv(&pool.timeline(), path)?;
                 pool.record_timeline(false);
             }
-            loss_sum += out.loss * idx.len() as f64;
+            // A skipped f16 step's inf loss would poison the epoch's mean.
+            if out.loss.is_finite() {
+                loss_sum += out.loss * idx.len() as f64;
+            }
             correct += out.correct;
             seen += idx.len();
             bar.inc(1);
@@ -287,9 +333,17 @@ pub fn fit(
             if let Some(w) = metrics.as_mut() {
                 let secs = t0.elapsed().as_secs_f64();
                 let gn = grad_norm.map_or("null".to_string(), |g| num(g as f64));
+                let sc = scaled.map_or(String::new(), |s| {
+                    format!(
+                        ",\"scale\":{},\"found_inf\":{},\"skipped\":{}",
+                        num(s.scale as f64),
+                        s.found_inf,
+                        s.skipped
+                    )
+                });
                 writeln!(
                     w,
-                    "{{\"step\":{step},\"epoch\":{epoch},\"loss\":{},\"lr\":{},\"img_per_s\":{},\"grad_norm\":{gn},{}}}",
+                    "{{\"step\":{step},\"epoch\":{epoch},\"loss\":{},\"lr\":{},\"img_per_s\":{},\"grad_norm\":{gn}{sc},{}}}",
                     num(out.loss),
                     num(lr as f64),
                     num(idx.len() as f64 / secs),

@@ -2,7 +2,7 @@
 #![allow(dead_code)]
 
 use memfit::memory::{Category, Pool, Tag};
-use memfit::nn::{BlockKind, ResNetConfig, StemKind};
+use memfit::nn::{BlockKind, Precision, ResNetConfig, StemKind};
 use memfit::tensor::Tensor;
 use rand::{RngExt, SeedableRng, rngs::ChaCha8Rng};
 
@@ -20,6 +20,8 @@ pub fn tiny_config(
         stem: StemKind::ImageNet,
         zero_init_residual: false,
         seed: 7,
+        precision: Precision::F32,
+        recompute_bn_relu: false,
     }
 }
 

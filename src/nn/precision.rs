@@ -1,0 +1,289 @@
+//! Mixed precision: the element type activations are stored in, and the
+//! conversions at the boundaries.
+//!
+//! Under bf16 or f16, every op that outputs the low type in PyTorch's
+//! autocast (convolution, linear, batch norm, ReLU, residual add, pooling)
+//! rounds its f32 result to the nearest low-type value, and a weight is
+//! rounded to the low type before each convolution or matmul. A product of
+//! two low-type values is exact in f32, so the f32 GEMM on rounded operands
+//! computes what a low-type GEMM with f32 accumulation computes. What a
+//! backward needs is *stored* in the low type (half the bytes: that is where
+//! the memory goes) and converted back to f32, exactly, when read. Batch-norm
+//! statistics, the loss, weight gradients and the master weights stay f32.
+//! Activation gradients are rounded at the same points as activations, so
+//! f16 overflows to inf where a real f16 pass would (the loss scaler's job).
+
+use std::ops::Deref;
+use std::str::FromStr;
+
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+use crate::error::{Error, Result};
+use crate::memory::{Category, Pool, Tag};
+use crate::tensor::{DType, Tensor};
+
+/// Elements per rayon task in the conversions: big enough to amortise the
+/// task, small enough to spread a layer over both cores.
+const CHUNK: usize = 1 << 14;
+
+/// The compute and storage type of activations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Hash)]
+pub enum Precision {
+    #[default]
+    F32,
+    BF16,
+    F16,
+}
+
+impl Precision {
+    pub const ALL: [Precision; 3] = [Precision::F32, Precision::BF16, Precision::F16];
+
+    /// Storage type of saved activations.
+    pub fn dtype(self) -> DType {
+        match self {
+            Precision::F32 => DType::F32,
+            Precision::BF16 => DType::BF16,
+            Precision::F16 => DType::F16,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F32 => "fp32",
+            Precision::BF16 => "bf16",
+            Precision::F16 => "f16",
+        }
+    }
+
+    pub fn is_low(self) -> bool {
+        self != Precision::F32
+    }
+
+    /// Bytes per stored activation element.
+    pub fn bytes(self) -> usize {
+        self.dtype().storage_bytes(1)
+    }
+
+    /// Rounds every value to the nearest value of this type (ties to even;
+    /// f16 overflows to ±inf as a real f16 op would). No-op for fp32.
+    pub fn round(self, v: &mut [f32]) {
+        match self {
+            Precision::F32 => {}
+            Precision::BF16 => v.par_chunks_mut(CHUNK).for_each(|c| {
+                for x in c {
+                    *x = bf16::from_f32(*x).to_f32();
+                }
+            }),
+            Precision::F16 => v.par_chunks_mut(CHUNK).for_each(|c| {
+                for x in c {
+                    *x = f16::from_f32(*x).to_f32();
+                }
+            }),
+        }
+    }
+
+    /// Rounds a tensor's values in place (a no-op in a shapes-only pool).
+    pub fn round_tensor(self, pool: &Pool, t: &mut Tensor) {
+        if self.is_low() && pool.computes() {
+            self.round(t.f32_mut());
+        }
+    }
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Precision {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "fp32" | "f32" => Ok(Precision::F32),
+            "bf16" => Ok(Precision::BF16),
+            "f16" | "fp16" => Ok(Precision::F16),
+            _ => Err(Error::invalid(
+                "precision",
+                format!("unknown precision '{s}' (choose fp32, bf16 or f16)"),
+            )),
+        }
+    }
+}
+
+/// An f32 view of an activation: the tensor itself when it is f32, else an
+/// f32 copy in the workspace that is freed when the view drops.
+pub enum F32View<'a> {
+    Borrowed(&'a Tensor),
+    Owned(Tensor),
+}
+
+impl Deref for F32View<'_> {
+    type Target = Tensor;
+    fn deref(&self) -> &Tensor {
+        match self {
+            F32View::Borrowed(t) => t,
+            F32View::Owned(t) => t,
+        }
+    }
+}
+
+/// Reads `t` as f32 (exact: every stored value is representable).
+pub fn f32_view<'a>(pool: &Pool, t: &'a Tensor) -> Result<F32View<'a>> {
+    if t.dtype() == DType::F32 {
+        return Ok(F32View::Borrowed(t));
+    }
+    let (tag, _) = t.meta();
+    let mut out = pool.empty_f32(t.dims(), Category::Workspace, tag)?;
+    if pool.computes() {
+        widen(out.f32_mut(), t);
+    }
+    Ok(F32View::Owned(out))
+}
+
+/// `t` as an owned f32 tensor in its own category: itself when it is f32,
+/// else a widened copy (and `t` is freed).
+pub fn into_f32(pool: &Pool, t: Tensor) -> Result<Tensor> {
+    if t.dtype() == DType::F32 {
+        return Ok(t);
+    }
+    let (tag, category) = t.meta();
+    let mut out = pool.empty_f32(t.dims(), category, tag)?;
+    if pool.computes() {
+        widen(out.f32_mut(), &t);
+    }
+    Ok(out)
+}
+
+/// `t` (f32, already rounded to `p`) as the backward stores it: itself under
+/// fp32, else a low-type copy under the same tag and category, and the f32
+/// original is freed.
+pub fn store(pool: &Pool, t: Tensor, p: Precision) -> Result<Tensor> {
+    if !p.is_low() || t.dtype() != DType::F32 {
+        return Ok(t);
+    }
+    let (tag, category) = t.meta();
+    let mut out = pool.empty(t.dims(), p.dtype(), category, tag)?;
+    if pool.computes() {
+        let src = t.f32();
+        match p {
+            Precision::BF16 => out
+                .bf16_mut()
+                .par_chunks_mut(CHUNK)
+                .zip(src.par_chunks(CHUNK))
+                .for_each(|(d, s)| {
+                    for (d, &s) in d.iter_mut().zip(s) {
+                        *d = bf16::from_f32(s);
+                    }
+                }),
+            Precision::F16 => out
+                .f16_mut()
+                .par_chunks_mut(CHUNK)
+                .zip(src.par_chunks(CHUNK))
+                .for_each(|(d, s)| {
+                    for (d, &s) in d.iter_mut().zip(s) {
+                        *d = f16::from_f32(s);
+                    }
+                }),
+            Precision::F32 => unreachable!("handled above"),
+        }
+    }
+    Ok(out)
+}
+
+/// A copy of a weight rounded to `p` for one convolution or matmul, or
+/// `None` under fp32 (use the weight itself).
+pub fn rounded_weight(pool: &Pool, w: &Tensor, p: Precision, tag: Tag) -> Result<Option<Tensor>> {
+    if !p.is_low() {
+        return Ok(None);
+    }
+    let mut out = pool.empty_f32(w.dims(), Category::Workspace, tag)?;
+    if pool.computes() {
+        out.f32_mut().copy_from_slice(w.f32());
+        p.round(out.f32_mut());
+    }
+    Ok(Some(out))
+}
+
+fn widen(dst: &mut [f32], src: &Tensor) {
+    match src.dtype() {
+        DType::BF16 => dst
+            .par_chunks_mut(CHUNK)
+            .zip(src.bf16().par_chunks(CHUNK))
+            .for_each(|(d, s)| {
+                for (d, s) in d.iter_mut().zip(s) {
+                    *d = s.to_f32();
+                }
+            }),
+        DType::F16 => dst
+            .par_chunks_mut(CHUNK)
+            .zip(src.f16().par_chunks(CHUNK))
+            .for_each(|(d, s)| {
+                for (d, s) in d.iter_mut().zip(s) {
+                    *d = s.to_f32();
+                }
+            }),
+        DType::F32 => dst.copy_from_slice(src.f32()),
+        other => panic!("{}: cannot widen {other:?} to f32", src.tag()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounding_matches_the_half_crate_and_store_is_lossless_after_it() {
+        let pool = Pool::new();
+        let vals = [1.0f32, 1.0 + 1.0 / 256.0, 1.0 / 3.0, -2.5e-8, 70000.0, 3.0e38];
+        for p in [Precision::BF16, Precision::F16] {
+            let mut v = vals;
+            p.round(&mut v);
+            for (&r, &x) in v.iter().zip(&vals) {
+                let want = match p {
+                    Precision::BF16 => bf16::from_f32(x).to_f32(),
+                    _ => f16::from_f32(x).to_f32(),
+                };
+                assert_eq!(r.to_bits(), want.to_bits(), "{p}: {x}");
+            }
+            let t = pool
+                .from_f32(&[v.len()], &v, Category::Activations, Tag::fixed("t"))
+                .unwrap();
+            let stored = store(&pool, t, p).unwrap();
+            assert_eq!(stored.dtype(), p.dtype());
+            assert_eq!(stored.bytes(), 2 * v.len());
+            let back = f32_view(&pool, &stored).unwrap();
+            let got: Vec<u32> = back.f32().iter().map(|x| x.to_bits()).collect();
+            let want: Vec<u32> = v.iter().map(|x| x.to_bits()).collect();
+            assert_eq!(got, want, "{p}: store then widen is exact");
+        }
+        // f16 overflows where a real f16 op would; bf16 keeps the range.
+        let mut big = [70000.0f32];
+        Precision::F16.round(&mut big);
+        assert!(big[0].is_infinite());
+        let mut big = [70000.0f32];
+        Precision::BF16.round(&mut big);
+        assert_eq!(big[0], 70144.0);
+    }
+
+    #[test]
+    fn fp32_views_and_stores_are_free() {
+        let pool = Pool::new();
+        let t = pool
+            .from_f32(
+                &[4],
+                &[1.0, 2.0, 3.0, 4.0],
+                Category::Activations,
+                Tag::fixed("t"),
+            )
+            .unwrap();
+        let before = pool.live_bytes();
+        let t = store(&pool, t, Precision::F32).unwrap();
+        let v = f32_view(&pool, &t).unwrap();
+        assert_eq!(pool.live_bytes(), before, "no copies under fp32");
+        assert!(matches!(v, F32View::Borrowed(_)));
+        assert_eq!("bf16".parse::<Precision>().unwrap(), Precision::BF16);
+        assert!("int8".parse::<Precision>().is_err());
+    }
+}
