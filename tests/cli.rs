@@ -364,13 +364,24 @@ fn bench_max_batch_grows_with_recomputation() {
         "64MiB",
     ]);
     assert_eq!(code, 0, "stderr:\n{err}");
-    let batch = |name: &str| -> usize {
+    let batch_at = |name: &str, precision: &str| -> usize {
         let row = out
             .lines()
-            .find(|l| l.starts_with(&format!("| {name} |")))
+            .find(|l| l.starts_with(&format!("| {name} | {precision} |")))
             .unwrap_or_else(|| panic!("no {name} row:\n{out}"));
-        row.split('|').nth(2).unwrap().trim().parse().unwrap()
+        row.split('|').nth(3).unwrap().trim().parse().unwrap()
     };
+    let batch = |name: &str| batch_at(name, "fp32");
+    // Two-byte activations and BN+ReLU recompute fit more than no plan,
+    // and auto more again. (At this tiny width auto's floor is set by f32
+    // transients, which bf16 adds to, so auto bf16 need not beat auto fp32.)
+    assert!(batch_at("none", "bf16") > batch("none"), "{out}");
+    assert!(batch("BN+ReLU recompute") > batch("none"), "{out}");
+    assert!(batch_at("auto", "bf16") >= batch_at("none", "bf16"), "{out}");
+    assert!(
+        batch_at("auto + BN+ReLU recompute", "bf16") >= batch_at("auto", "bf16"),
+        "{out}"
+    );
     let none = batch("none");
     assert!(none > 0, "{out}");
     for s in [

@@ -695,7 +695,16 @@ fn bench_max_batch(a: MaxBatchArgs) -> Result<()> {
     config.stem = a.model.stem.into();
     config.num_classes = a.model.num_classes;
     let optimizer = Optimizer::Sgd(Sgd::new(0.1, 0.9, 0.0, false));
-    let fits = |strategy: &str, batch: usize| -> Result<Option<usize>> {
+    let fits = |strategy: &str,
+                precision: Precision,
+                bn_relu: bool,
+                batch: usize|
+     -> Result<Option<usize>> {
+        let config = ResNetConfig {
+            precision,
+            recompute_bn_relu: bn_relu,
+            ..config.clone()
+        };
         let request = PlanRequest {
             config: &config,
             bn: BnPolicy::Batch,
@@ -716,41 +725,55 @@ fn bench_max_batch(a: MaxBatchArgs) -> Result<()> {
         }
     };
     println!(
-        "{} (base width {}), {}x{}, fp32, SGD with momentum, budget {}: largest batch with no accumulation",
+        "{} (base width {}), {}x{}, SGD with momentum, budget {}: largest batch with no accumulation",
         a.model.model,
         a.model.base_width,
         a.image_size,
         a.image_size,
         fmt_bytes(budget)
     );
-    println!("| strategy | largest batch | predicted peak | vs none |\n|---|---|---|---|");
+    println!(
+        "| strategy | precision | largest batch | predicted peak | vs none fp32 |\n|---|---|---|---|---|"
+    );
     let mut none = None;
-    for strategy in [
-        "none",
-        "segments:2",
-        "segments:4",
-        "segments:8",
-        "stages:layer1,layer2,layer4",
-        "auto",
+    let f32_ = Precision::F32;
+    for (label, strategy, precision, bn_relu) in [
+        ("none", "none", f32_, false),
+        ("segments:2", "segments:2", f32_, false),
+        ("segments:4", "segments:4", f32_, false),
+        ("segments:8", "segments:8", f32_, false),
+        (
+            "stages:layer1,layer2,layer4",
+            "stages:layer1,layer2,layer4",
+            f32_,
+            false,
+        ),
+        ("BN+ReLU recompute", "none", f32_, true),
+        ("none", "none", Precision::BF16, false),
+        ("auto", "auto", f32_, false),
+        ("auto + BN+ReLU recompute", "auto", f32_, true),
+        ("auto", "auto", Precision::BF16, false),
+        ("auto + BN+ReLU recompute", "auto", Precision::BF16, true),
     ] {
+        let fits = |batch| fits(strategy, precision, bn_relu, batch);
         // Bisect on the largest batch that fits (fitting is monotone in it).
         let (mut lo, mut hi) = (0usize, 1usize);
-        while fits(strategy, hi)?.is_some() && hi < 1 << 16 {
+        while fits(hi)?.is_some() && hi < 1 << 16 {
             lo = hi;
             hi *= 2;
         }
         while hi - lo > 1 {
             let mid = lo + (hi - lo) / 2;
-            if fits(strategy, mid)?.is_some() {
+            if fits(mid)?.is_some() {
                 lo = mid;
             } else {
                 hi = mid;
             }
         }
-        let peak = if lo > 0 { fits(strategy, lo)? } else { None };
+        let peak = if lo > 0 { fits(lo)? } else { None };
         let base = *none.get_or_insert(lo);
         println!(
-            "| {strategy} | {lo} | {} | {} |",
+            "| {label} | {precision} | {lo} | {} | {} |",
             peak.map_or("-".to_string(), fmt_bytes),
             if base > 0 {
                 format!("{:.2}x", lo as f64 / base as f64)

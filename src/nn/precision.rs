@@ -236,7 +236,14 @@ mod tests {
     #[test]
     fn rounding_matches_the_half_crate_and_store_is_lossless_after_it() {
         let pool = Pool::new();
-        let vals = [1.0f32, 1.0 + 1.0 / 256.0, 1.0 / 3.0, -2.5e-8, 70000.0, 3.0e38];
+        let vals = [
+            1.0f32,
+            1.0 + 1.0 / 256.0,
+            1.0 / 3.0,
+            -2.5e-8,
+            70000.0,
+            3.0e38,
+        ];
         for p in [Precision::BF16, Precision::F16] {
             let mut v = vals;
             p.round(&mut v);
