@@ -377,7 +377,10 @@ fn bench_max_batch_grows_with_recomputation() {
     // transients, which bf16 adds to, so auto bf16 need not beat auto fp32.)
     assert!(batch_at("none", "bf16") > batch("none"), "{out}");
     assert!(batch("BN+ReLU recompute") > batch("none"), "{out}");
-    assert!(batch_at("auto", "bf16") >= batch_at("none", "bf16"), "{out}");
+    assert!(
+        batch_at("auto", "bf16") >= batch_at("none", "bf16"),
+        "{out}"
+    );
     assert!(
         batch_at("auto + BN+ReLU recompute", "bf16") >= batch_at("auto", "bf16"),
         "{out}"

@@ -12,7 +12,7 @@ mod load;
 mod save;
 
 pub use load::{fc_rows, load_state_dict, load_torchvision};
-pub use save::save_state_dict;
+pub use save::{save_state_dict, save_state_dict_with};
 
 use std::collections::BTreeMap;
 use std::path::Path;

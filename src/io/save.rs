@@ -98,6 +98,35 @@ pub fn save_state_dict(model: &mut ResNet, path: &Path) -> Result<()> {
     write_atomic(path, &bytes)
 }
 
+/// [`save_state_dict`] plus extra f32 tensors (`(name, shape, values)`,
+/// names that no state_dict entry uses) and metadata: a training-state
+/// checkpoint. Atomic like `save_state_dict`.
+pub fn save_state_dict_with(
+    model: &mut ResNet,
+    extras: &[(String, Vec<usize>, &[f32])],
+    mut metadata: HashMap<String, String>,
+    path: &Path,
+) -> Result<()> {
+    let mut entries = state_entries(model);
+    for (name, shape, values) in extras {
+        entries.push((
+            name.clone(),
+            Entry {
+                dtype: Dtype::F32,
+                shape: shape.clone(),
+                bytes: f32_bytes(values),
+            },
+        ));
+    }
+    metadata.insert("format".to_string(), "pt".to_string());
+    metadata.insert("generator".to_string(), "memfit".to_string());
+    let bytes =
+        safetensors::serialize(entries.iter().map(|(n, e)| (n.as_str(), e)), Some(metadata))
+            .map_err(|e| io_err(path, format!("cannot serialise the checkpoint: {e}")))?;
+    drop(entries);
+    write_atomic(path, &bytes)
+}
+
 fn io_err(path: &Path, reason: String) -> Error {
     Error::Io {
         path: path.display().to_string(),

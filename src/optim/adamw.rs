@@ -78,9 +78,9 @@ pub struct AdamW {
     pub beta2: f32,
     pub eps: f32,
     pub weight_decay: f32,
-    t: u64,
-    exp_avg: Vec<Tensor>,
-    exp_avg_sq: Vec<Tensor>,
+    pub(crate) t: u64,
+    pub(crate) exp_avg: Vec<Tensor>,
+    pub(crate) exp_avg_sq: Vec<Tensor>,
 }
 
 impl AdamW {

@@ -43,6 +43,72 @@ impl Optimizer {
         }
     }
 
+    /// The state a resumed run needs: every buffer, named
+    /// `optimizer.<kind>.<index>` (index = parameter visit order), and the
+    /// step count (AdamW's bias correction; 0 for SGD).
+    pub fn state(&self) -> (Vec<(String, &Tensor)>, u64) {
+        match self {
+            Optimizer::Sgd(o) => (
+                o.buffers
+                    .iter()
+                    .enumerate()
+                    .map(|(i, t)| (format!("optimizer.momentum.{i}"), t))
+                    .collect(),
+                0,
+            ),
+            Optimizer::AdamW(o) => {
+                let mut v: Vec<(String, &Tensor)> = Vec::new();
+                for (i, t) in o.exp_avg.iter().enumerate() {
+                    v.push((format!("optimizer.exp_avg.{i}"), t));
+                }
+                for (i, t) in o.exp_avg_sq.iter().enumerate() {
+                    v.push((format!("optimizer.exp_avg_sq.{i}"), t));
+                }
+                (v, o.t)
+            }
+        }
+    }
+
+    /// Restores [`state`](Self::state): `get(name)` returns a buffer's
+    /// values (None when absent: a run saved before its first step has
+    /// none). Buffers are shaped like the parameters, in visit order.
+    pub fn load_state(
+        &mut self,
+        pool: &Pool,
+        model: &mut ResNet,
+        steps: u64,
+        mut get: impl FnMut(&str) -> Option<Vec<f32>>,
+    ) -> Result<()> {
+        let mut dims = Vec::new();
+        model.visit_params(|p| dims.push(p.value.dims().to_vec()));
+        let mut restore = |kind: &str, tag: &'static str| -> Result<Vec<Tensor>> {
+            let mut out = Vec::new();
+            for (i, d) in dims.iter().enumerate() {
+                let name = format!("optimizer.{kind}.{i}");
+                let Some(values) = get(&name) else {
+                    if i == 0 {
+                        return Ok(Vec::new());
+                    }
+                    return Err(crate::error::Error::invalid(
+                        "checkpoint",
+                        format!("{name} is missing"),
+                    ));
+                };
+                out.push(pool.from_f32(d, &values, Category::Optimizer, Tag::fixed(tag))?);
+            }
+            Ok(out)
+        };
+        match self {
+            Optimizer::Sgd(o) => o.buffers = restore("momentum", "sgd.momentum")?,
+            Optimizer::AdamW(o) => {
+                o.exp_avg = restore("exp_avg", "adamw.exp_avg")?;
+                o.exp_avg_sq = restore("exp_avg_sq", "adamw.exp_avg_sq")?;
+                o.t = steps;
+            }
+        }
+        Ok(())
+    }
+
     /// The same hyper-parameters with no state yet (what the planner
     /// simulates: state buffers appear on the first step).
     pub fn fresh(&self) -> Optimizer {
@@ -113,7 +179,7 @@ pub struct Sgd {
     pub momentum: f32,
     pub weight_decay: f32,
     pub nesterov: bool,
-    buffers: Vec<Tensor>, // one per parameter, in visit order; created on the first step
+    pub(crate) buffers: Vec<Tensor>, // one per parameter, in visit order; created on the first step
 }
 
 impl Sgd {

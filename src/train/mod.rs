@@ -3,6 +3,8 @@
 //! optional gradient clipping, evaluation (loss, top-1, top-5), one JSON
 //! line per step and per evaluation in a metrics file.
 
+pub mod checkpoint;
+
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::PathBuf;

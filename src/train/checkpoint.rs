@@ -1,0 +1,227 @@
+//! Training-state checkpoints: one safetensors file per save,
+//! `DIR/ckpt-00001234.safetensors` (the optimizer step it was taken after),
+//! holding the state_dict in torchvision's names and layout (so a checkpoint
+//! is also a weights file), the optimizer's buffers (`optimizer.*`), and in
+//! the metadata the format version, the step, the loss-scaler state and a
+//! fingerprint of everything that must match to resume.
+//!
+//! What is *not* stored, because it is recomputed exactly: the data order
+//! (the shuffle RNG is replayed from the seed), augmentation randomness
+//! (seeded per sample from seed, epoch and position) and the LR (a function
+//! of the step). A run resumed from step S therefore continues with the same
+//! windows, bit for bit; an accumulation window in progress when a run died
+//! was never saved, so it is redone from its start.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+use crate::io::{TensorFile, load_state_dict, save_state_dict_with};
+use crate::memory::Pool;
+use crate::nn::ResNet;
+use crate::optim::{GradScaler, Optimizer};
+
+/// Bumped whenever the layout changes; older files are refused.
+pub const FORMAT_VERSION: &str = "1";
+
+const PREFIX: &str = "ckpt-";
+const SUFFIX: &str = ".safetensors";
+
+/// Where a resumed run starts.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Resume {
+    /// Optimizer steps already taken.
+    pub step: usize,
+    pub scaler: Option<GradScaler>,
+    pub path: PathBuf,
+}
+
+/// `DIR/ckpt-<step>.safetensors`.
+pub fn checkpoint_path(dir: &Path, step: usize) -> PathBuf {
+    dir.join(format!("{PREFIX}{step:08}{SUFFIX}"))
+}
+
+/// The checkpoints in `dir`, oldest first.
+pub fn list_checkpoints(dir: &Path) -> Result<Vec<(usize, PathBuf)>> {
+    let entries = std::fs::read_dir(dir).map_err(|e| Error::Io {
+        path: dir.display().to_string(),
+        reason: e.to_string(),
+    })?;
+    let mut out = Vec::new();
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().to_string();
+        if let Some(step) = name
+            .strip_prefix(PREFIX)
+            .and_then(|s| s.strip_suffix(SUFFIX))
+            .and_then(|s| s.parse::<usize>().ok())
+        {
+            out.push((step, e.path()));
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// Writes the state after optimizer step `step` (atomically: a failed write
+/// leaves the previous checkpoints as they were), then deletes all but the
+/// newest `keep`.
+pub fn save_checkpoint(
+    dir: &Path,
+    model: &mut ResNet,
+    optimizer: &Optimizer,
+    step: usize,
+    scaler: Option<&GradScaler>,
+    fingerprint: &str,
+    keep: usize,
+) -> Result<PathBuf> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::Io {
+        path: dir.display().to_string(),
+        reason: format!("cannot create the checkpoint directory: {e}"),
+    })?;
+    let (buffers, steps) = optimizer.state();
+    let extras: Vec<(String, Vec<usize>, &[f32])> = buffers
+        .iter()
+        .map(|(n, t)| (n.clone(), t.dims().to_vec(), t.f32()))
+        .collect();
+    let mut meta = HashMap::from([
+        ("memfit_checkpoint".to_string(), FORMAT_VERSION.to_string()),
+        ("step".to_string(), step.to_string()),
+        ("optimizer_steps".to_string(), steps.to_string()),
+        ("fingerprint".to_string(), fingerprint.to_string()),
+    ]);
+    if let Some(s) = scaler {
+        meta.insert("scaler_scale".into(), format!("{:e}", s.scale));
+        meta.insert("scaler_growth_tracker".into(), s.growth_tracker.to_string());
+        meta.insert(
+            "scaler_growth_interval".into(),
+            s.growth_interval.to_string(),
+        );
+    }
+    let path = checkpoint_path(dir, step);
+    save_state_dict_with(model, &extras, meta, &path)?;
+    let all = list_checkpoints(dir)?;
+    for (_, old) in all.iter().take(all.len().saturating_sub(keep.max(1))) {
+        let _ = std::fs::remove_file(old);
+    }
+    Ok(path)
+}
+
+/// The differences between two fingerprints (`key=value` pairs joined by
+/// `; `), as `key: saved A, now B`.
+fn fingerprint_diff(saved: &str, now: &str) -> Vec<String> {
+    let parse = |s: &str| -> Vec<(String, String)> {
+        s.split("; ")
+            .filter_map(|kv| kv.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    };
+    let (a, b) = (parse(saved), parse(now));
+    let mut out = Vec::new();
+    for (k, v) in &b {
+        match a.iter().find(|(ka, _)| ka == k) {
+            Some((_, va)) if va != v => out.push(format!("{k}: checkpoint {va}, now {v}")),
+            None => out.push(format!("{k}: not in the checkpoint, now {v}")),
+            _ => {}
+        }
+    }
+    for (k, v) in &a {
+        if !b.iter().any(|(kb, _)| kb == k) {
+            out.push(format!("{k}: checkpoint {v}, not set now"));
+        }
+    }
+    out
+}
+
+/// Loads `from` (a checkpoint file, or a directory: its newest checkpoint)
+/// into `model` and `optimizer`, after checking the format version and that
+/// `fingerprint` matches the one saved (the error names every difference).
+pub fn load_checkpoint(
+    from: &Path,
+    pool: &Pool,
+    model: &mut ResNet,
+    optimizer: &mut Optimizer,
+    fingerprint: &str,
+) -> Result<Resume> {
+    let path = if from.is_dir() {
+        list_checkpoints(from)?
+            .pop()
+            .map(|(_, p)| p)
+            .ok_or_else(|| Error::Io {
+                path: from.display().to_string(),
+                reason: "holds no checkpoint (ckpt-*.safetensors) to resume from".into(),
+            })?
+    } else {
+        from.to_path_buf()
+    };
+    let file = TensorFile::open(&path)?;
+    let bad = |reason: String| Error::BadWeights {
+        path: path.display().to_string(),
+        reason,
+    };
+    let meta = |k: &str| file.metadata.get(k).cloned();
+    match meta("memfit_checkpoint").as_deref() {
+        Some(FORMAT_VERSION) => {}
+        Some(v) => {
+            return Err(bad(format!(
+                "checkpoint format {v}, this memfit reads format {FORMAT_VERSION}"
+            )));
+        }
+        None => {
+            return Err(bad(
+                "is a weights file, not a training checkpoint (use --init to start from weights)"
+                    .into(),
+            ));
+        }
+    }
+    let saved = meta("fingerprint").unwrap_or_default();
+    let diff = fingerprint_diff(&saved, fingerprint);
+    if !diff.is_empty() {
+        return Err(bad(format!(
+            "was written by an incompatible run: {}",
+            diff.join("; ")
+        )));
+    }
+    let number = |k: &str| -> Result<u64> {
+        meta(k)
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| bad(format!("metadata '{k}' is missing or not a number")))
+    };
+    let step = number("step")? as usize;
+    let steps = number("optimizer_steps")?;
+    let scaler = match meta("scaler_scale") {
+        Some(s) => Some(GradScaler {
+            scale: s
+                .parse()
+                .map_err(|_| bad(format!("scaler_scale '{s}' is not a number")))?,
+            growth_tracker: number("scaler_growth_tracker")? as u32,
+            ..GradScaler::new(1.0, number("scaler_growth_interval")? as u32)
+        }),
+        None => None,
+    };
+    load_state_dict(model, &file, &["optimizer."])?;
+    optimizer.load_state(pool, model, steps, |name| {
+        file.f32(name).ok().map(|(_, v)| v.to_vec())
+    })?;
+    Ok(Resume { step, scaler, path })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fingerprint_differences_are_named() {
+        let d = fingerprint_diff(
+            "model=resnet18; batch=64; lr=0.1",
+            "model=resnet50; batch=64",
+        );
+        assert_eq!(
+            d,
+            vec![
+                "model: checkpoint resnet18, now resnet50".to_string(),
+                "lr: checkpoint 0.1, not set now".to_string()
+            ]
+        );
+        assert!(fingerprint_diff("a=1; b=2", "a=1; b=2").is_empty());
+    }
+}
