@@ -11,10 +11,12 @@
 //!   Debian's `dataset-fashion-mnist` package ([`FASHION_MNIST_DEBIAN_DIR`])
 //!   or `$MEMFIT_FASHION_MNIST_DIR`, read by the IDX reader in [`idx`].
 
+pub mod decode;
 pub mod digits;
 pub mod fashion;
 pub mod idx;
 
+pub use decode::{RgbImage, decode_rgb, load_rgb};
 pub use digits::{DIGITS_CLASSES, DIGITS_LEN, DIGITS_SIZE, load_digits};
 pub use fashion::{
     FASHION_MNIST_CLASSES, FASHION_MNIST_DEBIAN_DIR, FASHION_MNIST_ENV, FASHION_MNIST_MEAN,
