@@ -14,6 +14,7 @@
 pub mod decode;
 pub mod digits;
 pub mod fashion;
+pub mod folder;
 pub mod idx;
 
 pub use decode::{RgbImage, decode_rgb, load_rgb};
@@ -23,6 +24,7 @@ pub use fashion::{
     FASHION_MNIST_STD, FashionMnistFiles, fashion_mnist_files, fashion_mnist_files_in,
     load_fashion_mnist,
 };
+pub use folder::{IMAGE_EXTENSIONS, ImageFolder, Sample, skip_warning};
 pub use idx::{IdxImages, idx_to_dataset, read_idx_images, read_idx_labels};
 
 use rand::{RngExt, SeedableRng, rngs::ChaCha8Rng};
