@@ -7,7 +7,9 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use memfit::Error;
-use memfit::data::{ImageFolder, decode_rgb, load_rgb, skip_warning};
+use memfit::data::{
+    Dataset, ImageFolder, ImageFolderDataset, Loader, Transform, decode_rgb, load_rgb, skip_warning,
+};
 
 /// A fresh folder under the system temp dir, removed on drop.
 struct TempDir(PathBuf);
@@ -239,4 +241,94 @@ fn photo_fixtures_decode_like_pillow() {
     let bytes = std::fs::read(&truncated).unwrap();
     let e = decode_rgb(&bytes, &truncated).unwrap_err().to_string();
     assert!(e.contains("truncated.jpg: bad JPEG"), "{e}");
+}
+
+/// Real files, random crops and flips: the batches do not depend on the
+/// number of loader threads, and change with the epoch.
+#[test]
+fn folder_batches_are_identical_for_workers_0_1_3() {
+    let folder = ImageFolder::scan(fixtures().join("photos/train")).unwrap();
+    let data = ImageFolderDataset {
+        folder,
+        transform: Transform::train(24),
+        seed: 11,
+    };
+    assert_eq!(
+        (data.len(), data.classes(), data.image_hw()),
+        (9, 3, (24, 24))
+    );
+    let order = vec![4, 0, 8, 2, 6, 1, 7, 3, 5];
+    let run = |workers, epoch| {
+        Loader {
+            data: &data,
+            batch_size: 4,
+            workers,
+        }
+        .collect_epoch(order.clone(), epoch)
+        .unwrap()
+    };
+    let reference = run(0, 1);
+    assert_eq!(reference.len(), 3);
+    assert_eq!(reference[0].labels, vec![1, 0, 2, 0]);
+    assert_eq!(reference[0].images.len(), 4 * 24 * 24 * 3);
+    assert!(reference.iter().all(|b| b.skipped == 0));
+    assert_eq!(run(1, 1), reference);
+    assert_eq!(run(3, 1), reference);
+    assert_ne!(run(3, 2), reference, "another epoch, other crops");
+
+    // The eval transform is deterministic.
+    let eval = ImageFolderDataset {
+        transform: Transform::eval(24),
+        ..data.clone()
+    };
+    let a = Loader {
+        data: &eval,
+        batch_size: 4,
+        workers: 2,
+    }
+    .collect_epoch(order.clone(), 1);
+    let b = Loader {
+        data: &eval,
+        batch_size: 4,
+        workers: 0,
+    }
+    .collect_epoch(order.clone(), 7);
+    assert_eq!(a.unwrap(), b.unwrap());
+}
+
+#[test]
+fn loader_drops_unreadable_files_from_their_batch() {
+    let folder = ImageFolder::scan(fixtures().join("photos_corrupt")).unwrap();
+    let names: Vec<String> = folder
+        .samples
+        .iter()
+        .map(|s| rel(&fixtures().join("photos_corrupt"), &s.path))
+        .collect();
+    assert_eq!(names, ["cat/ok.jpg", "cat/truncated.jpg", "coffee/ok.png"]);
+    let data = ImageFolderDataset {
+        folder,
+        transform: Transform::no_augment(16),
+        seed: 0,
+    };
+    for workers in [0, 2] {
+        let before = data.skipped();
+        let batches = Loader {
+            data: &data,
+            batch_size: 2,
+            workers,
+        }
+        .collect_epoch(vec![0, 1, 2], 0)
+        .unwrap();
+        assert_eq!(batches.len(), 2);
+        assert_eq!(
+            (batches[0].labels.clone(), batches[0].skipped),
+            (vec![0], 1)
+        );
+        assert_eq!(batches[0].images.len(), 16 * 16 * 3);
+        assert_eq!(
+            (batches[1].labels.clone(), batches[1].skipped),
+            (vec![1], 0)
+        );
+        assert_eq!(data.skipped(), before + 1);
+    }
 }

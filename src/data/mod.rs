@@ -16,6 +16,7 @@ pub mod digits;
 pub mod fashion;
 pub mod folder;
 pub mod idx;
+pub mod loader;
 pub mod resize;
 pub mod transform;
 
@@ -28,6 +29,7 @@ pub use fashion::{
 };
 pub use folder::{IMAGE_EXTENSIONS, ImageFolder, Sample, skip_warning};
 pub use idx::{IdxImages, idx_to_dataset, read_idx_images, read_idx_labels};
+pub use loader::{Batch, Batches, Dataset, ImageFolderDataset, Loader};
 pub use resize::{Window, resize_bilinear};
 pub use transform::{
     Augment, IMAGENET_MEAN, IMAGENET_STD, Transform, center_crop_window, eval_resize,
