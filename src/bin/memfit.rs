@@ -866,6 +866,7 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
         clip_grad_norm: a.clip_grad_norm,
         eval_every: a.eval_every,
         metrics_jsonl: a.metrics_jsonl.clone(),
+        workers: 0,
     };
     let start = Instant::now();
     let reports = fit(
@@ -924,7 +925,7 @@ fn eval(a: EvalArgs) -> Result<()> {
     let mut model = build_model(&pool, &a.model, a.base_width, a.stem.into(), classes, 0)?;
     load_torchvision(&mut model, &file, false)?;
     model.check_image_size(size, size)?;
-    let e = evaluate(&mut model, &pool, &val_set, a.batch_size)?;
+    let e = evaluate(&mut model, &pool, &val_set, a.batch_size, 0)?;
     println!(
         "{} images: loss {:.4}, top-1 {:.2}%, top-5 {:.2}%",
         val_set.len(),
