@@ -31,6 +31,7 @@ fn options(steps: usize, inject: Vec<usize>, metrics: Option<std::path::PathBuf>
         memory_trace: None,
         scaler: Some(GradScaler::new(1024.0, 2)),
         inject_inf_steps: inject,
+        workers: 0,
     }
 }
 

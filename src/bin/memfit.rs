@@ -1004,6 +1004,7 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
         metrics_jsonl: a.metrics_jsonl.clone(),
         scaler,
         inject_inf_steps: Vec::new(),
+        workers: 0,
     };
     let start = Instant::now();
     let reports = fit(
@@ -1062,7 +1063,7 @@ fn eval(a: EvalArgs) -> Result<()> {
     let mut model = build_model(&pool, &a.model, a.base_width, a.stem.into(), classes, 0)?;
     load_torchvision(&mut model, &file, false)?;
     model.check_image_size(size, size)?;
-    let e = evaluate(&mut model, &pool, &val_set, a.batch_size)?;
+    let e = evaluate(&mut model, &pool, &val_set, a.batch_size, 0)?;
     println!(
         "{} images: loss {:.4}, top-1 {:.2}%, top-5 {:.2}%",
         val_set.len(),

@@ -11,17 +11,30 @@
 //!   Debian's `dataset-fashion-mnist` package ([`FASHION_MNIST_DEBIAN_DIR`])
 //!   or `$MEMFIT_FASHION_MNIST_DIR`, read by the IDX reader in [`idx`].
 
+pub mod decode;
 pub mod digits;
 pub mod fashion;
+pub mod folder;
 pub mod idx;
+pub mod loader;
+pub mod resize;
+pub mod transform;
 
+pub use decode::{RgbImage, decode_rgb, load_rgb};
 pub use digits::{DIGITS_CLASSES, DIGITS_LEN, DIGITS_SIZE, load_digits};
 pub use fashion::{
     FASHION_MNIST_CLASSES, FASHION_MNIST_DEBIAN_DIR, FASHION_MNIST_ENV, FASHION_MNIST_MEAN,
     FASHION_MNIST_STD, FashionMnistFiles, fashion_mnist_files, fashion_mnist_files_in,
     load_fashion_mnist,
 };
+pub use folder::{IMAGE_EXTENSIONS, ImageFolder, Sample, skip_warning};
 pub use idx::{IdxImages, idx_to_dataset, read_idx_images, read_idx_labels};
+pub use loader::{Batch, Batches, Dataset, ImageFolderDataset, Loader};
+pub use resize::{Window, resize_bilinear};
+pub use transform::{
+    Augment, IMAGENET_MEAN, IMAGENET_STD, Transform, center_crop_window, eval_resize,
+    random_resized_crop_window, resize_shorter, sample_rng,
+};
 
 use rand::{RngExt, SeedableRng, rngs::ChaCha8Rng};
 
@@ -44,27 +57,13 @@ impl InMemoryDataset {
             return self;
         }
         let (h, w) = (self.h, self.w);
-        let src_px = h * w * 3;
-        let mut images = Vec::with_capacity(self.len() * size * size * 3);
-        let coord = |o: usize, n_in: usize| -> (usize, usize, f32) {
-            let x = ((o as f32 + 0.5) * n_in as f32 / size as f32 - 0.5).max(0.0);
-            let i0 = (x.floor() as usize).min(n_in - 1);
-            let i1 = (i0 + 1).min(n_in - 1);
-            (i0, i1, x - i0 as f32)
-        };
-        for img in self.images.chunks_exact(src_px) {
-            for oy in 0..size {
-                let (y0, y1, fy) = coord(oy, h);
-                for ox in 0..size {
-                    let (x0, x1, fx) = coord(ox, w);
-                    for c in 0..3 {
-                        let p = |y: usize, x: usize| img[(y * w + x) * 3 + c];
-                        let top = p(y0, x0) * (1.0 - fx) + p(y0, x1) * fx;
-                        let bottom = p(y1, x0) * (1.0 - fx) + p(y1, x1) * fx;
-                        images.push(top * (1.0 - fy) + bottom * fy);
-                    }
-                }
-            }
+        let dst_px = size * size * 3;
+        let mut images = vec![0.0; self.len() * dst_px];
+        for (dst, src) in images
+            .chunks_exact_mut(dst_px)
+            .zip(self.images.chunks_exact(h * w * 3))
+        {
+            resize_bilinear(dst, src, w, Window::full(h, w), size, size);
         }
         InMemoryDataset {
             images,

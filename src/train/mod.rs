@@ -1,7 +1,8 @@
-//! The training loop over an in-memory dataset: shuffled mini-batches, the
-//! optimizer with its LR schedule (advanced once per optimizer step),
-//! optional gradient clipping, evaluation (loss, top-1, top-5), one JSON
-//! line per step and per evaluation in a metrics file.
+//! The training loop over a [`Dataset`]: shuffled mini-batches (made by a
+//! [`Loader`], on background threads if asked), the optimizer with its LR
+//! schedule (advanced once per optimizer step), optional gradient clipping,
+//! evaluation (loss, top-1, top-5), one JSON line per step and per
+//! evaluation in a metrics file.
 
 pub mod checkpoint;
 
@@ -11,7 +12,7 @@ use std::path::PathBuf;
 
 use rand::{SeedableRng, rngs::ChaCha8Rng, seq::SliceRandom};
 
-use crate::data::InMemoryDataset;
+use crate::data::{Dataset, Loader};
 use crate::error::{Error, Result};
 use crate::exec::{LossOptions, Plan, StepOutput, forward_backward, forward_eval};
 use crate::memory::{Category, MemoryStats, Pool, Tag, write_timeline_csv};
@@ -55,6 +56,10 @@ pub struct TrainOptions {
     /// Test hook: at these optimizer steps (1-based) one gradient element
     /// is set to inf after the backward, as an f16 overflow would.
     pub inject_inf_steps: Vec<usize>,
+    /// Threads loading batches ahead of the step (decoding, augmenting);
+    /// 0 loads each batch on the training thread when it is needed. The
+    /// batches are the same for any count.
+    pub workers: usize,
 }
 
 /// Optimizer steps a `--memory-trace` covers: the first allocates the
@@ -67,6 +72,10 @@ pub struct EvalReport {
     pub loss: f64,
     pub top1: f64,
     pub top5: f64,
+    /// Images evaluated; fewer than the set's length by `skipped`.
+    pub samples: usize,
+    /// Unreadable images left out.
+    pub skipped: usize,
 }
 
 /// One epoch's summary.
@@ -79,19 +88,17 @@ pub struct EpochReport {
     pub eval: Option<EvalReport>,
     pub img_per_s: f64,
     pub memory: MemoryStats,
+    /// Unreadable images left out this epoch, training and evaluation.
+    pub skipped: usize,
 }
 
-fn gather(pool: &Pool, data: &InMemoryDataset, idx: &[usize]) -> Result<(Tensor, Vec<usize>)> {
-    let sz = data.h * data.w * 3;
-    let mut t = pool.empty_f32(
-        &[idx.len(), data.h, data.w, 3],
-        Category::Data,
-        Tag::fixed("batch.images"),
-    )?;
-    for (dst, &i) in t.f32_mut().chunks_exact_mut(sz).zip(idx) {
-        dst.copy_from_slice(data.image(i));
-    }
-    Ok((t, idx.iter().map(|&i| data.labels[i]).collect()))
+/// Copies loaded images (n, h, w, 3) into a pool tensor, where the budget
+/// sees them.
+fn gather(pool: &Pool, (h, w): (usize, usize), images: &[f32]) -> Result<Tensor> {
+    let n = images.len() / (h * w * 3).max(1);
+    let mut t = pool.empty_f32(&[n, h, w, 3], Category::Data, Tag::fixed("batch.images"))?;
+    t.f32_mut().copy_from_slice(images);
+    Ok(t)
 }
 
 /// The test hook of [`TrainOptions::inject_inf_steps`]: the first trainable
@@ -117,37 +124,60 @@ fn in_top_k(row: &[f32], label: usize, k: usize) -> bool {
         < k
 }
 
-/// Mean loss, top-1 and top-5 with running BN statistics.
+/// Mean loss, top-1 and top-5 with running BN statistics, over the
+/// readable images of `data` in index order, loaded by `workers` threads.
 pub fn evaluate(
     model: &mut ResNet,
     pool: &Pool,
-    data: &InMemoryDataset,
+    data: &dyn Dataset,
     batch_size: usize,
+    workers: usize,
 ) -> Result<EvalReport> {
     let classes = model.config.num_classes;
     let (mut loss, mut top1, mut top5) = (0.0, 0, 0);
+    let (mut samples, mut skipped) = (0, 0);
     let order: Vec<usize> = (0..data.len()).collect();
-    for idx in order.chunks(batch_size.max(1)) {
-        let (images, labels) = gather(pool, data, idx)?;
-        let logits = forward_eval(model, pool, images)?;
-        let mut scratch = pool.empty_f32(
-            logits.dims(),
-            Category::Workspace,
-            Tag::fixed("eval.d_logits"),
-        )?;
-        loss +=
-            cross_entropy_forward_backward(scratch.f32_mut(), logits.f32(), &labels, classes, 0.0)?
-                * idx.len() as f64;
-        for (row, &l) in logits.f32().chunks_exact(classes).zip(&labels) {
-            top1 += in_top_k(row, l, 1) as usize;
-            top5 += in_top_k(row, l, 5) as usize;
+    let loader = Loader {
+        data,
+        batch_size: batch_size.max(1),
+        workers,
+    };
+    std::thread::scope(|scope| -> Result<()> {
+        for batch in loader.epoch(scope, order, 0) {
+            let batch = batch?;
+            skipped += batch.skipped;
+            if batch.labels.is_empty() {
+                continue;
+            }
+            let (images, labels) = (gather(pool, data.image_hw(), &batch.images)?, batch.labels);
+            samples += labels.len();
+            let logits = forward_eval(model, pool, images)?;
+            let mut scratch = pool.empty_f32(
+                logits.dims(),
+                Category::Workspace,
+                Tag::fixed("eval.d_logits"),
+            )?;
+            loss += cross_entropy_forward_backward(
+                scratch.f32_mut(),
+                logits.f32(),
+                &labels,
+                classes,
+                0.0,
+            )? * labels.len() as f64;
+            for (row, &l) in logits.f32().chunks_exact(classes).zip(&labels) {
+                top1 += in_top_k(row, l, 1) as usize;
+                top5 += in_top_k(row, l, 5) as usize;
+            }
         }
-    }
-    let n = data.len().max(1) as f64;
+        Ok(())
+    })?;
+    let n = samples.max(1) as f64;
     Ok(EvalReport {
         loss: loss / n,
         top1: top1 as f64 / n,
         top5: top5 as f64 / n,
+        samples,
+        skipped,
     })
 }
 
@@ -192,8 +222,23 @@ pub fn fit(
     model: &mut ResNet,
     pool: &Pool,
     optimizer: &mut Optimizer,
-    train: &InMemoryDataset,
-    val: &InMemoryDataset,
+    train: &dyn Dataset,
+    val: &dyn Dataset,
+    opts: &TrainOptions,
+    on_epoch: impl FnMut(&EpochReport),
+) -> Result<Vec<EpochReport>> {
+    // Loader threads borrow the datasets: one scope spans the run.
+    std::thread::scope(|scope| fit_in(scope, model, pool, optimizer, train, val, opts, on_epoch))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn fit_in<'scope, 'env>(
+    scope: &'scope std::thread::Scope<'scope, 'env>,
+    model: &mut ResNet,
+    pool: &Pool,
+    optimizer: &mut Optimizer,
+    train: &'env dyn Dataset,
+    val: &'env dyn Dataset,
     opts: &TrainOptions,
     mut on_epoch: impl FnMut(&EpochReport),
 ) -> Result<Vec<EpochReport>> {
@@ -239,17 +284,31 @@ pub fn fit(
         pool.record_timeline(true);
     }
     let mut step = 0;
+    let loader = Loader {
+        data: train,
+        batch_size: opts.batch_size,
+        workers: opts.workers,
+    };
     for epoch in 1..=opts.epochs {
         let mut order: Vec<usize> = (0..train.len()).collect();
         if opts.shuffle {
             order.shuffle(&mut rng);
         }
         let start = std::time::Instant::now();
-        let (mut loss_sum, mut correct, mut seen) = (0.0, 0, 0);
+        let (mut loss_sum, mut correct, mut seen, mut skipped) = (0.0, 0, 0, 0);
         let bar = progress_bar(opts.progress, order.len().div_ceil(opts.batch_size), epoch);
         let mut lr = opts.base_lr;
-        for idx in order.chunks(opts.batch_size) {
-            let t0 = std::time::Instant::now();
+        // Per-step time includes waiting for the batch.
+        let mut t0 = std::time::Instant::now();
+        for batch in loader.epoch(scope, order, epoch) {
+            let batch = batch?;
+            skipped += batch.skipped;
+            // A window whose every image is unreadable makes no step.
+            if batch.labels.is_empty() {
+                t0 = std::time::Instant::now();
+                continue;
+            }
+            let n = batch.labels.len();
             lr = opts.schedule.lr_at(opts.base_lr, step);
             optimizer.set_lr(lr);
             if opts.max_steps.is_some_and(|m| step >= m) {
@@ -263,21 +322,26 @@ pub fn fit(
                 loss: 0.0,
                 correct: 0,
             };
-            for micro_idx in idx.chunks(micro) {
-                let (images, labels) = gather(pool, train, micro_idx)?;
+            let px = batch.images.len() / n;
+            for (micro_images, labels) in batch
+                .images
+                .chunks(micro * px)
+                .zip(batch.labels.chunks(micro))
+            {
+                let images = gather(pool, train.image_hw(), micro_images)?;
                 let o = forward_backward(
                     model,
                     pool,
                     &plan,
                     images,
-                    &labels,
+                    labels,
                     LossOptions {
                         label_smoothing: opts.label_smoothing,
-                        window_samples: Some(idx.len()),
+                        window_samples: Some(n),
                         scale: scaler.as_ref().map(|s| s.scale),
                     },
                 )?;
-                out.loss += o.loss * micro_idx.len() as f64 / idx.len() as f64;
+                out.loss += o.loss * labels.len() as f64 / n as f64;
                 out.correct += o.correct;
             }
             step += 1;
@@ -321,10 +385,10 @@ pub fn fit(
             }
             // A skipped f16 step's inf loss would poison the epoch's mean.
             if out.loss.is_finite() {
-                loss_sum += out.loss * idx.len() as f64;
+                loss_sum += out.loss * n as f64;
             }
             correct += out.correct;
-            seen += idx.len();
+            seen += n;
             bar.inc(1);
             bar.set_message(format!(
                 "loss {:.4}, lr {lr:.4}, {:.0} img/s, peak {}",
@@ -348,11 +412,12 @@ pub fn fit(
                     "{{\"step\":{step},\"epoch\":{epoch},\"loss\":{},\"lr\":{},\"img_per_s\":{},\"grad_norm\":{gn}{sc},{}}}",
                     num(out.loss),
                     num(lr as f64),
-                    num(idx.len() as f64 / secs),
+                    num(n as f64 / secs),
                     memory_fields(&pool.stats(), opts.predicted_peak)
                 )
                 .map_err(metrics_err)?;
             }
+            t0 = std::time::Instant::now();
         }
         bar.finish_and_clear();
         let secs = start.elapsed().as_secs_f64();
@@ -361,7 +426,8 @@ pub fn fit(
         {
             // Evaluate in micro-batches too: a full batch without saved
             // tensors can still need more than the budget allows.
-            let e = evaluate(model, pool, val, micro)?;
+            let e = evaluate(model, pool, val, micro, opts.workers)?;
+            skipped += e.skipped;
             if let Some(w) = metrics.as_mut() {
                 writeln!(
                     w,
@@ -387,6 +453,7 @@ pub fn fit(
             eval,
             img_per_s: seen as f64 / secs,
             memory: pool.stats(),
+            skipped,
         };
         on_epoch(&report);
         reports.push(report);
