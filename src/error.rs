@@ -41,6 +41,16 @@ pub enum Error {
     #[error("{path}: {reason}")]
     BadData { path: String, reason: String },
 
+    // === Interruption ===
+    #[error("interrupted after optimizer step {step}; {}", match checkpoint {
+        Some(p) => format!("resume with --resume {p}"),
+        None => "no --save-dir was given, so nothing was saved".to_string(),
+    })]
+    Interrupted {
+        step: usize,
+        checkpoint: Option<String>,
+    },
+
     // === Numerics ===
     #[error("non-finite loss {loss} at step {step}")]
     NonFiniteLoss { step: usize, loss: f32 },

@@ -32,6 +32,13 @@ fn options(steps: usize, inject: Vec<usize>, metrics: Option<std::path::PathBuf>
         scaler: Some(GradScaler::new(1024.0, 2)),
         inject_inf_steps: inject,
         workers: 0,
+        save_dir: None,
+        save_every_steps: None,
+        save_every_epochs: None,
+        keep_checkpoints: 1,
+        fingerprint: String::new(),
+        resume_step: 0,
+        stop: None,
     }
 }
 

@@ -1,5 +1,7 @@
 //! The `memfit` command line.
 
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
@@ -14,6 +16,7 @@ use memfit::memory::{Category, MemoryStats, Pool, Tag, fmt_bytes, parse_bytes};
 use memfit::nn::{BnPolicy, Precision, ResNet, ResNetConfig, StemKind};
 use memfit::optim::{AdamW, GradScaler, LrSchedule, Schedule, Sgd};
 use memfit::plan::{PlanRequest, Strategy, report, resolve, simulate_training};
+use memfit::train::checkpoint::load_checkpoint;
 use memfit::train::{Optimizer, TrainOptions, evaluate, fit};
 
 #[derive(Parser)]
@@ -220,13 +223,13 @@ impl From<StemArg> for StemKind {
     }
 }
 
-#[derive(Clone, Copy, ValueEnum)]
+#[derive(Clone, Copy, Debug, ValueEnum)]
 enum OptimizerKind {
     Sgd,
     Adamw,
 }
 
-#[derive(Clone, Copy, ValueEnum)]
+#[derive(Clone, Copy, Debug, ValueEnum)]
 enum ScheduleKind {
     Constant,
     Step,
@@ -328,6 +331,23 @@ struct TrainArgs {
     /// Write the trained weights (torchvision layout) here.
     #[arg(long)]
     save_weights: Option<PathBuf>,
+    /// Write training-state checkpoints (weights, optimizer state, loss
+    /// scaler, step) to this directory: after every --save-every-steps /
+    /// --save-every-epochs, at the end, and on Ctrl-C / SIGTERM.
+    #[arg(long)]
+    save_dir: Option<PathBuf>,
+    #[arg(long)]
+    save_every_steps: Option<usize>,
+    /// Default with --save-dir: every epoch.
+    #[arg(long)]
+    save_every_epochs: Option<usize>,
+    /// Checkpoints kept in --save-dir (the newest).
+    #[arg(long, default_value_t = 3)]
+    keep_checkpoints: usize,
+    /// Continue a run from a checkpoint file or the newest one in a
+    /// directory; every other flag must match the original run.
+    #[arg(long)]
+    resume: Option<PathBuf>,
     #[command(flatten)]
     memory: MemoryArgs,
 }
@@ -985,6 +1005,49 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
         .then(|| GradScaler::new(a.memory.scaler_init, a.memory.scaler_growth_interval));
     // The hard budget from here on: the allocator refuses to cross it.
     pool.set_budget(budget);
+    // Everything the continued run must share with the saved one.
+    let fingerprint = format!(
+        "model={}; base_width={}; stem={:?}; classes={classes}; precision={}; bn_relu_recompute={}; bn={:?}; data={}; image_size={size}; batch_size={}; micro_batch={}; plan={}; optimizer={:?}; lr={}; momentum={}; nesterov={}; weight_decay={:?}; schedule={:?}; warmup_epochs={}; total_steps={total_steps}; label_smoothing={}; clip_grad_norm={:?}; seed={}; shuffle={}",
+        a.model,
+        a.base_width,
+        StemKind::from(a.stem),
+        resolved.precision,
+        resolved.recompute_bn_relu,
+        bn,
+        a.data.data,
+        a.batch_size,
+        resolved.micro_batch,
+        resolved.plan,
+        a.optimizer,
+        a.lr,
+        a.momentum,
+        a.nesterov,
+        a.weight_decay,
+        a.schedule,
+        a.warmup_epochs,
+        a.label_smoothing,
+        a.clip_grad_norm,
+        a.seed,
+        !a.no_shuffle,
+    );
+    let mut scaler = scaler;
+    let mut resume_step = 0;
+    if let Some(from) = &a.resume {
+        let r = load_checkpoint(from, &pool, &mut model, &mut optimizer, &fingerprint)?;
+        println!(
+            "resuming from {} after optimizer step {}",
+            r.path.display(),
+            r.step
+        );
+        resume_step = r.step;
+        if r.scaler.is_some() {
+            scaler = r.scaler;
+        }
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, stop.clone()).context("installing a signal handler")?;
+    }
     let opts = TrainOptions {
         epochs,
         max_steps: a.steps,
@@ -1005,6 +1068,15 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
         scaler,
         inject_inf_steps: Vec::new(),
         workers: 0,
+        save_every_epochs: a
+            .save_every_epochs
+            .or((a.save_every_steps.is_none()).then_some(1)),
+        save_dir: a.save_dir.clone(),
+        save_every_steps: a.save_every_steps,
+        keep_checkpoints: a.keep_checkpoints,
+        fingerprint,
+        resume_step,
+        stop: Some(stop),
     };
     let start = Instant::now();
     let reports = fit(

@@ -60,6 +60,22 @@ pub struct TrainOptions {
     /// 0 loads each batch on the training thread when it is needed. The
     /// batches are the same for any count.
     pub workers: usize,
+    /// Write training-state checkpoints here (see [`checkpoint`]).
+    pub save_dir: Option<PathBuf>,
+    /// Save after every this many optimizer steps.
+    pub save_every_steps: Option<usize>,
+    /// Save after every this many epochs.
+    pub save_every_epochs: Option<usize>,
+    /// Checkpoints kept in `save_dir` (the newest).
+    pub keep_checkpoints: usize,
+    /// What must match for a checkpoint to resume this run (`key=value; …`).
+    pub fingerprint: String,
+    /// Optimizer steps already taken by the run being resumed: their
+    /// windows are skipped (the data order is replayed, nothing computed).
+    pub resume_step: usize,
+    /// Set (by a signal handler) to stop after the current step, save a
+    /// checkpoint and return [`Error::Interrupted`].
+    pub stop: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 }
 
 /// Optimizer steps a `--memory-trace` covers: the first allocates the
@@ -284,6 +300,21 @@ fn fit_in<'scope, 'env>(
         pool.record_timeline(true);
     }
     let mut step = 0;
+    let save = |dir: &PathBuf,
+                model: &mut ResNet,
+                optimizer: &Optimizer,
+                step: usize,
+                scaler: Option<&GradScaler>| {
+        checkpoint::save_checkpoint(
+            dir,
+            model,
+            optimizer,
+            step,
+            scaler,
+            &opts.fingerprint,
+            opts.keep_checkpoints,
+        )
+    };
     let loader = Loader {
         data: train,
         batch_size: opts.batch_size,
@@ -309,6 +340,13 @@ fn fit_in<'scope, 'env>(
                 continue;
             }
             let n = batch.labels.len();
+            if step < opts.resume_step {
+                // Done before the run was resumed: replay the order only.
+                step += 1;
+                bar.inc(1);
+                t0 = std::time::Instant::now();
+                continue;
+            }
             lr = opts.schedule.lr_at(opts.base_lr, step);
             optimizer.set_lr(lr);
             if opts.max_steps.is_some_and(|m| step >= m) {
@@ -417,9 +455,33 @@ fn fit_in<'scope, 'env>(
                 )
                 .map_err(metrics_err)?;
             }
+            if let Some(dir) = &opts.save_dir
+                && opts.save_every_steps.is_some_and(|k| step % k.max(1) == 0)
+            {
+                save(dir, model, optimizer, step, scaler.as_ref())?;
+            }
+            if opts
+                .stop
+                .as_ref()
+                .is_some_and(|f| f.load(std::sync::atomic::Ordering::SeqCst))
+            {
+                bar.finish_and_clear();
+                let checkpoint = match &opts.save_dir {
+                    Some(dir) => Some(
+                        save(dir, model, optimizer, step, scaler.as_ref())?
+                            .display()
+                            .to_string(),
+                    ),
+                    None => None,
+                };
+                return Err(Error::Interrupted { step, checkpoint });
+            }
             t0 = std::time::Instant::now();
         }
         bar.finish_and_clear();
+        if step <= opts.resume_step && opts.resume_step > 0 {
+            continue; // an epoch finished before the resumed run began
+        }
         let secs = start.elapsed().as_secs_f64();
         let eval = if (epoch % opts.eval_every.max(1) == 0 || epoch == opts.epochs)
             && !val.is_empty()
@@ -457,6 +519,18 @@ fn fit_in<'scope, 'env>(
         };
         on_epoch(&report);
         reports.push(report);
+        if let Some(dir) = &opts.save_dir
+            && (opts
+                .save_every_epochs
+                .is_some_and(|k| epoch % k.max(1) == 0)
+                || epoch == opts.epochs
+                || opts.max_steps.is_some_and(|m| step >= m))
+        {
+            save(dir, model, optimizer, step, scaler.as_ref())?;
+        }
+        if opts.max_steps.is_some_and(|m| step >= m) {
+            break;
+        }
     }
     if step < TRACE_STEPS
         && let Some(path) = &opts.memory_trace

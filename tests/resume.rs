@@ -1,0 +1,194 @@
+//! Resumable training: a run stopped after any optimizer step and resumed
+//! from its checkpoint ends with weights, BN buffers and optimizer state
+//! bit-identical to the uninterrupted run — across epoch boundaries, with
+//! shuffling, gradient accumulation and the f16 loss scaler.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use memfit::data::SyntheticGratings;
+use memfit::memory::Pool;
+use memfit::nn::{BlockKind, Precision, ResNet, ResNetConfig, StateSlot};
+use memfit::optim::{AdamW, GradScaler, LrSchedule, Optimizer, Schedule, Sgd};
+use memfit::train::checkpoint::{list_checkpoints, load_checkpoint};
+use memfit::train::{TrainOptions, fit};
+
+fn config(precision: Precision) -> ResNetConfig {
+    ResNetConfig {
+        precision,
+        ..common::tiny_config(BlockKind::Basic, [1, 1, 1, 1], 4, 3)
+    }
+}
+
+fn options(dir: &Path, max_steps: usize, resume_step: usize, f16: bool) -> TrainOptions {
+    TrainOptions {
+        epochs: 3,
+        max_steps: Some(max_steps),
+        progress: false,
+        batch_size: 5,
+        micro_batch: Some(2),
+        plan: None,
+        seed: 11,
+        shuffle: true,
+        label_smoothing: 0.1,
+        base_lr: 0.05,
+        schedule: LrSchedule::new(Schedule::Cosine {
+            total_steps: 15,
+            min_lr: 0.0,
+        })
+        .with_warmup(2),
+        clip_grad_norm: Some(5.0),
+        eval_every: 1,
+        metrics_jsonl: None,
+        predicted_peak: None,
+        memory_trace: None,
+        scaler: f16.then(|| GradScaler::new(256.0, 2)),
+        inject_inf_steps: if f16 { vec![3] } else { vec![] },
+        workers: 0,
+        save_dir: Some(dir.to_path_buf()),
+        save_every_steps: Some(1),
+        save_every_epochs: None,
+        keep_checkpoints: 100,
+        fingerprint: "test=1".into(),
+        resume_step,
+        stop: None,
+    }
+}
+
+fn state(model: &mut ResNet, opt: &Optimizer) -> Vec<(String, Vec<u32>)> {
+    let mut out = Vec::new();
+    model.visit_state(|slot| match slot {
+        StateSlot::Param { param, .. } => out.push((
+            param.name.clone(),
+            param.value.f32().iter().map(|v| v.to_bits()).collect(),
+        )),
+        StateSlot::Buffer { name, data } => {
+            out.push((name, data.iter().map(|v| v.to_bits()).collect()))
+        }
+        StateSlot::Count { name, value } => out.push((name, vec![*value as u32])),
+    });
+    for (name, t) in opt.state().0 {
+        out.push((name, t.f32().iter().map(|v| v.to_bits()).collect()));
+    }
+    out
+}
+
+fn optimizer(adamw: bool) -> Optimizer {
+    if adamw {
+        Optimizer::AdamW(AdamW::new(0.01))
+    } else {
+        Optimizer::Sgd(Sgd::new(0.05, 0.9, 5e-4, true))
+    }
+}
+
+fn temp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("memfit_resume_{name}_{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+#[test]
+fn a_resumed_run_is_bit_identical_to_an_uninterrupted_one() {
+    let data = SyntheticGratings::generate(22, 16, 3, 5); // 5 windows per epoch, the last of 2
+    let val = SyntheticGratings::generate(4, 16, 3, 6);
+    for (precision, f16, adamw) in [
+        (Precision::F32, false, false),
+        (Precision::F16, true, false),
+        (Precision::BF16, false, true),
+    ] {
+        let full_dir = temp("full");
+        let pool = Pool::new();
+        let mut model = ResNet::new(&pool, config(precision)).unwrap();
+        let mut opt = optimizer(adamw);
+        fit(
+            &mut model,
+            &pool,
+            &mut opt,
+            &data,
+            &val,
+            &options(&full_dir, 12, 0, f16),
+            |_| {},
+        )
+        .unwrap();
+        let want = state(&mut model, &opt);
+        assert_eq!(list_checkpoints(&full_dir).unwrap().len(), 12);
+        // Stop after step k (mid-epoch, at an epoch end, right after the
+        // injected inf), then resume from that checkpoint to step 12.
+        for k in [3, 5, 7] {
+            let pool = Pool::new();
+            let mut model = ResNet::new(
+                &pool,
+                ResNetConfig {
+                    seed: 99, // the checkpoint, not the init, must decide
+                    ..config(precision)
+                },
+            )
+            .unwrap();
+            let mut opt = optimizer(adamw);
+            let ckpt = full_dir.join(format!("ckpt-{k:08}.safetensors"));
+            let r = load_checkpoint(&ckpt, &pool, &mut model, &mut opt, "test=1").unwrap();
+            assert_eq!(r.step, k);
+            let dir = temp(&format!("part{k}"));
+            let mut o = options(&dir, 12, k, f16);
+            if f16 {
+                o.scaler = r.scaler.clone();
+            }
+            fit(&mut model, &pool, &mut opt, &data, &val, &o, |_| {}).unwrap();
+            let got = state(&mut model, &opt);
+            assert_eq!(got.len(), want.len());
+            for ((gn, g), (_, w)) in got.iter().zip(&want) {
+                assert!(
+                    g == w,
+                    "{precision} adamw={adamw} resumed at {k}: {gn} differs"
+                );
+            }
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        let _ = std::fs::remove_dir_all(&full_dir);
+    }
+}
+
+#[test]
+fn an_incompatible_checkpoint_is_refused_naming_the_difference() {
+    let dir = temp("mismatch");
+    let data = SyntheticGratings::generate(10, 16, 3, 5);
+    let pool = Pool::new();
+    let mut model = ResNet::new(&pool, config(Precision::F32)).unwrap();
+    let mut opt = optimizer(false);
+    let mut o = options(&dir, 2, 0, false);
+    o.fingerprint = "model=resnet18; lr=0.05".into();
+    fit(&mut model, &pool, &mut opt, &data, &data, &o, |_| {}).unwrap();
+    let err = load_checkpoint(&dir, &pool, &mut model, &mut opt, "model=resnet18; lr=0.1")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("lr: checkpoint 0.05, now 0.1"), "{err}");
+    // Retention: only the newest `keep` stay.
+    let mut o = options(&dir, 4, 0, false);
+    o.keep_checkpoints = 2;
+    let mut model = ResNet::new(&pool, config(Precision::F32)).unwrap();
+    fit(
+        &mut model,
+        &pool,
+        &mut optimizer(false),
+        &data,
+        &data,
+        &o,
+        |_| {},
+    )
+    .unwrap();
+    let steps: Vec<usize> = list_checkpoints(&dir)
+        .unwrap()
+        .iter()
+        .map(|c| c.0)
+        .collect();
+    assert_eq!(steps, vec![3, 4]);
+    // A weights file is not a checkpoint.
+    let weights = dir.join("w.safetensors");
+    memfit::io::save_state_dict(&mut model, &weights).unwrap();
+    let err = load_checkpoint(&weights, &pool, &mut model, &mut optimizer(false), "x")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("not a training checkpoint"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
