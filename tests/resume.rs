@@ -192,3 +192,30 @@ fn an_incompatible_checkpoint_is_refused_naming_the_difference() {
     assert!(err.contains("not a training checkpoint"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The stop flag (what SIGINT/SIGTERM set) ends the run after the current
+/// step with a checkpoint of it and an error that says how to resume.
+#[test]
+fn a_stop_request_saves_the_current_step_and_says_how_to_resume() {
+    let dir = temp("stop");
+    let data = SyntheticGratings::generate(10, 16, 3, 5);
+    let pool = Pool::new();
+    let mut model = ResNet::new(&pool, config(Precision::F32)).unwrap();
+    let mut opt = optimizer(false);
+    let mut o = options(&dir, 6, 0, false);
+    o.save_every_steps = None;
+    o.stop = Some(std::sync::Arc::new(std::sync::atomic::AtomicBool::new(
+        true,
+    )));
+    let err = fit(&mut model, &pool, &mut opt, &data, &data, &o, |_| {}).unwrap_err();
+    match &err {
+        memfit::Error::Interrupted {
+            step: 1,
+            checkpoint: Some(p),
+        } => assert!(p.ends_with("ckpt-00000001.safetensors"), "{p}"),
+        other => panic!("expected an interruption after step 1, got {other}"),
+    }
+    assert!(err.to_string().contains("resume with --resume"), "{err}");
+    assert_eq!(list_checkpoints(&dir).unwrap().len(), 1);
+    let _ = std::fs::remove_dir_all(&dir);
+}
