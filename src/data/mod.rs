@@ -1,5 +1,5 @@
-//! Datasets, all loaded into an [`InMemoryDataset`] (NHWC f32, 3 channels,
-//! already normalised):
+//! Datasets. The built-in ones are loaded whole into an [`InMemoryDataset`]
+//! (NHWC f32, 3 channels, already normalised):
 //!
 //! - [`SyntheticGratings`]: built-in, deterministic, needs no files; small
 //!   images of oriented sine gratings whose class is the orientation. It is
@@ -10,6 +10,12 @@
 //! - [`load_fashion_mnist`]: Fashion-MNIST from the IDX files installed by
 //!   Debian's `dataset-fashion-mnist` package ([`FASHION_MNIST_DEBIAN_DIR`])
 //!   or `$MEMFIT_FASHION_MNIST_DIR`, read by the IDX reader in [`idx`].
+//!
+//! Image folders are read lazily: [`ImageFolder`] scans torchvision's
+//! layout ([`folder`]), [`decode`] turns JPEG/PNG files into RGB bytes and
+//! [`transform`] into augmented, normalised inputs. Training and evaluation
+//! see both kinds through the [`Dataset`] trait, batched by a [`Loader`]
+//! ([`loader`]) on background threads.
 
 pub mod decode;
 pub mod digits;
