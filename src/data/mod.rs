@@ -36,7 +36,7 @@ pub use fashion::{
 pub use folder::{IMAGE_EXTENSIONS, ImageFolder, Sample, skip_warning};
 pub use idx::{IdxImages, idx_to_dataset, read_idx_images, read_idx_labels};
 pub use loader::{Batch, Batches, Dataset, ImageFolderDataset, Loader};
-pub use resize::{Window, resize_bilinear};
+pub use resize::{Window, resize_bilinear, resize_crop_u8};
 pub use transform::{
     Augment, IMAGENET_MEAN, IMAGENET_STD, Transform, center_crop_window, eval_resize,
     random_resized_crop_window, resize_shorter, sample_rng,
