@@ -29,6 +29,14 @@ fn assert_clean_error(args: &[&str], needle: &str) {
     );
 }
 
+/// The number after `key` in `s`, up to the next ',' or '%'.
+fn field(s: &str, key: &str) -> Option<String> {
+    s.split(key)
+        .nth(1)
+        .and_then(|t| t.split([',', '%']).next())
+        .map(str::to_string)
+}
+
 #[test]
 fn train_runs_and_learns_on_the_embedded_digits() {
     let (code, out, err) = memfit(&[
@@ -131,20 +139,14 @@ fn train_on_synthetic_writes_metrics_and_weights_that_eval_reads() {
     ]);
     assert_eq!(code, 0, "stderr:\n{err}");
     // Same validation set and weights: the same top-1 as the last epoch.
-    let after = |s: &str, key: &str| {
-        s.split(key)
-            .nth(1)
-            .and_then(|t| t.split([',', '%']).next())
-            .map(str::to_string)
-    };
     assert_eq!(
-        after(&eval_out, "top-1 "),
-        after(&val_line, "val top-1 "),
+        field(&eval_out, "top-1 "),
+        field(&val_line, "val top-1 "),
         "{eval_out} vs {val_line}"
     );
     assert_eq!(
-        after(&eval_out, "loss "),
-        after(&val_line, "val loss "),
+        field(&eval_out, "loss "),
+        field(&val_line, "val loss "),
         "{eval_out} vs {val_line}"
     );
     std::fs::remove_dir_all(&dir).ok();
@@ -418,14 +420,6 @@ fn fixture(rel: &str) -> String {
     format!("{}/tests/fixtures/{rel}", env!("CARGO_MANIFEST_DIR"))
 }
 
-/// The number after `key` in `s`, up to the next ',' or '%'.
-fn field(s: &str, key: &str) -> Option<String> {
-    s.split(key)
-        .nth(1)
-        .and_then(|t| t.split([',', '%']).next())
-        .map(str::to_string)
-}
-
 /// Real photos end to end (`tools/make_photo_fixtures.py`): a few steps on
 /// an image folder with a separate validation folder, then `eval` of the
 /// saved weights gives the last epoch's validation numbers.
@@ -474,8 +468,16 @@ fn train_and_eval_on_an_image_folder() {
     let (code, eval_out, err) = memfit(&args);
     assert_eq!(code, 0, "stderr:\n{err}");
     assert!(eval_out.starts_with("4 images: "), "{eval_out}");
-    assert_eq!(field(&eval_out, "loss "), field(&val_line, "val loss "));
-    assert_eq!(field(&eval_out, "top-1 "), field(&val_line, "val top-1 "));
+    assert_eq!(
+        field(&eval_out, "loss "),
+        field(&val_line, "val loss "),
+        "{eval_out} vs {val_line}"
+    );
+    assert_eq!(
+        field(&eval_out, "top-1 "),
+        field(&val_line, "val top-1 "),
+        "{eval_out} vs {val_line}"
+    );
     std::fs::remove_dir_all(&dir).ok();
 }
 

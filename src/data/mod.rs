@@ -42,7 +42,32 @@ pub use transform::{
     random_resized_crop_window, resize_shorter, sample_rng,
 };
 
-use rand::{RngExt, SeedableRng, rngs::ChaCha8Rng};
+use rand::{RngExt, SeedableRng, rngs::ChaCha8Rng, seq::SliceRandom};
+
+use crate::error::{Error, Result};
+
+/// The (train, val) indices of a seeded split of `0..n`: a ChaCha8 shuffle
+/// seeded by `seed`, the first `round(n · val_fraction)` of which are the
+/// validation set; both in shuffled order. `op` names the caller in the
+/// error for a fraction outside [0, 1).
+pub fn seeded_split(
+    n: usize,
+    val_fraction: f32,
+    seed: u64,
+    op: &'static str,
+) -> Result<(Vec<usize>, Vec<usize>)> {
+    if !(val_fraction.is_finite() && (0.0..1.0).contains(&val_fraction)) {
+        return Err(Error::invalid(
+            op,
+            format!("val_fraction must be in [0, 1), got {val_fraction}"),
+        ));
+    }
+    let mut order: Vec<usize> = (0..n).collect();
+    order.shuffle(&mut ChaCha8Rng::seed_from_u64(seed));
+    let n_val = ((n as f64 * val_fraction as f64).round() as usize).min(n);
+    let train = order.split_off(n_val);
+    Ok((train, order))
+}
 
 /// An in-memory labelled image set, NHWC f32, already normalised.
 #[derive(Clone)]
