@@ -37,6 +37,18 @@ fn field(s: &str, key: &str) -> Option<String> {
         .map(str::to_string)
 }
 
+/// `memfit eval`'s loss and top-1 equal those of a train epoch line.
+#[track_caller]
+fn assert_eval_matches_val(eval_out: &str, val_line: &str) {
+    for (eval_key, val_key) in [("top-1 ", "val top-1 "), ("loss ", "val loss ")] {
+        assert_eq!(
+            field(eval_out, eval_key),
+            field(val_line, val_key),
+            "{eval_out} vs {val_line}"
+        );
+    }
+}
+
 #[test]
 fn train_runs_and_learns_on_the_embedded_digits() {
     let (code, out, err) = memfit(&[
@@ -139,16 +151,7 @@ fn train_on_synthetic_writes_metrics_and_weights_that_eval_reads() {
     ]);
     assert_eq!(code, 0, "stderr:\n{err}");
     // Same validation set and weights: the same top-1 as the last epoch.
-    assert_eq!(
-        field(&eval_out, "top-1 "),
-        field(&val_line, "val top-1 "),
-        "{eval_out} vs {val_line}"
-    );
-    assert_eq!(
-        field(&eval_out, "loss "),
-        field(&val_line, "val loss "),
-        "{eval_out} vs {val_line}"
-    );
+    assert_eval_matches_val(&eval_out, &val_line);
     std::fs::remove_dir_all(&dir).ok();
 }
 
@@ -468,16 +471,7 @@ fn train_and_eval_on_an_image_folder() {
     let (code, eval_out, err) = memfit(&args);
     assert_eq!(code, 0, "stderr:\n{err}");
     assert!(eval_out.starts_with("4 images: "), "{eval_out}");
-    assert_eq!(
-        field(&eval_out, "loss "),
-        field(&val_line, "val loss "),
-        "{eval_out} vs {val_line}"
-    );
-    assert_eq!(
-        field(&eval_out, "top-1 "),
-        field(&val_line, "val top-1 "),
-        "{eval_out} vs {val_line}"
-    );
+    assert_eval_matches_val(&eval_out, &val_line);
     std::fs::remove_dir_all(&dir).ok();
 }
 
