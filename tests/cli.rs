@@ -29,6 +29,26 @@ fn assert_clean_error(args: &[&str], needle: &str) {
     );
 }
 
+/// The number after `key` in `s`, up to the next ',' or '%'.
+fn field(s: &str, key: &str) -> Option<String> {
+    s.split(key)
+        .nth(1)
+        .and_then(|t| t.split([',', '%']).next())
+        .map(str::to_string)
+}
+
+/// `memfit eval`'s loss and top-1 equal those of a train epoch line.
+#[track_caller]
+fn assert_eval_matches_val(eval_out: &str, val_line: &str) {
+    for (eval_key, val_key) in [("top-1 ", "val top-1 "), ("loss ", "val loss ")] {
+        assert_eq!(
+            field(eval_out, eval_key),
+            field(val_line, val_key),
+            "{eval_out} vs {val_line}"
+        );
+    }
+}
+
 #[test]
 fn train_runs_and_learns_on_the_embedded_digits() {
     let (code, out, err) = memfit(&[
@@ -131,22 +151,7 @@ fn train_on_synthetic_writes_metrics_and_weights_that_eval_reads() {
     ]);
     assert_eq!(code, 0, "stderr:\n{err}");
     // Same validation set and weights: the same top-1 as the last epoch.
-    let after = |s: &str, key: &str| {
-        s.split(key)
-            .nth(1)
-            .and_then(|t| t.split([',', '%']).next())
-            .map(str::to_string)
-    };
-    assert_eq!(
-        after(&eval_out, "top-1 "),
-        after(&val_line, "val top-1 "),
-        "{eval_out} vs {val_line}"
-    );
-    assert_eq!(
-        after(&eval_out, "loss "),
-        after(&val_line, "val loss "),
-        "{eval_out} vs {val_line}"
-    );
+    assert_eval_matches_val(&eval_out, &val_line);
     std::fs::remove_dir_all(&dir).ok();
 }
 
@@ -439,6 +444,182 @@ fn steps_stop_training_after_that_many_optimizer_steps() {
         "3 classes are too few",
     );
     assert_clean_error(&["train", "--steps", "0"], "--steps must be at least 1");
+}
+
+fn fixture(rel: &str) -> String {
+    format!("{}/tests/fixtures/{rel}", env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Real photos end to end (`tools/make_photo_fixtures.py`): a few steps on
+/// an image folder with a separate validation folder, then `eval` of the
+/// saved weights gives the last epoch's validation numbers.
+#[test]
+fn train_and_eval_on_an_image_folder() {
+    let dir = std::env::temp_dir().join(format!("memfit-cli-folder-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let weights = dir.join("w.safetensors");
+    let (train, val) = (fixture("photos/train"), fixture("photos/val"));
+    let data_flags = [
+        "--data",
+        &train,
+        "--val-data",
+        &val,
+        "--image-size",
+        "32",
+        "--base-width",
+        "8",
+    ];
+    let mut args = vec![
+        "--threads",
+        "2",
+        "train",
+        "--steps",
+        "2",
+        "--batch-size",
+        "4",
+    ];
+    args.extend(data_flags);
+    args.extend(["--save-weights", weights.to_str().unwrap()]);
+    let (code, out, err) = memfit(&args);
+    assert_eq!(code, 0, "stderr:\n{err}");
+    assert!(
+        out.contains("3 classes, 9 train / 4 val images at 32x32"),
+        "{out}"
+    );
+    let val_line = out
+        .lines()
+        .rfind(|l| l.starts_with("epoch 1:") && l.contains("val top-1"))
+        .unwrap_or_else(|| panic!("{out}"))
+        .to_string();
+    assert!(!out.contains("skipped"), "{out}");
+
+    let mut args = vec!["eval", "--weights", weights.to_str().unwrap()];
+    args.extend(data_flags);
+    let (code, eval_out, err) = memfit(&args);
+    assert_eq!(code, 0, "stderr:\n{err}");
+    assert!(eval_out.starts_with("4 images: "), "{eval_out}");
+    assert_eval_matches_val(&eval_out, &val_line);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The metrics of a folder run do not depend on --workers.
+#[test]
+fn image_folder_runs_are_identical_for_any_worker_count() {
+    let dir = std::env::temp_dir().join(format!("memfit-cli-workers-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let train = fixture("photos/train");
+    let run = |workers: &str| {
+        let metrics = dir.join(format!("m{workers}.jsonl"));
+        let (code, _, err) = memfit(&[
+            "--threads",
+            "2",
+            "train",
+            "--data",
+            &train,
+            "--val-fraction",
+            "0.34",
+            "--image-size",
+            "32",
+            "--base-width",
+            "8",
+            "--epochs",
+            "2",
+            "--batch-size",
+            "3",
+            "--workers",
+            workers,
+            "--metrics-jsonl",
+            metrics.to_str().unwrap(),
+        ]);
+        assert_eq!(code, 0, "stderr:\n{err}");
+        // Everything but the timing.
+        std::fs::read_to_string(&metrics)
+            .unwrap()
+            .lines()
+            .map(|l| {
+                l.split(',')
+                    .filter(|f| !f.starts_with("\"img_per_s\""))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            })
+            .collect::<Vec<_>>()
+    };
+    let reference = run("0");
+    // 9 images, 3 held out: 6 / 3 = 2 steps per epoch, plus an evaluation.
+    assert_eq!(reference.len(), 6, "{reference:?}");
+    assert_eq!(run("1"), reference);
+    assert_eq!(run("3"), reference);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn unreadable_files_are_skipped_with_a_warning_and_a_count() {
+    let (code, out, err) = memfit(&[
+        "--threads",
+        "2",
+        "train",
+        "--data",
+        &fixture("photos_corrupt"),
+        "--val-fraction",
+        "0",
+        "--image-size",
+        "32",
+        "--base-width",
+        "8",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "2",
+    ]);
+    assert_eq!(code, 0, "stderr:\n{err}");
+    let warning = format!(
+        "warning: skipping {}: bad JPEG",
+        fixture("photos_corrupt/cat/truncated.jpg")
+    );
+    assert_eq!(err.matches(&warning).count(), 2, "{err}");
+    assert_eq!(
+        out.matches("skipped 1 unreadable files").count(),
+        2,
+        "{out}"
+    );
+    assert!(out.contains("3 train / 0 val images"), "{out}");
+}
+
+#[test]
+fn bad_image_folders_give_clear_errors() {
+    let empty = std::env::temp_dir().join(format!("memfit-cli-empty-{}", std::process::id()));
+    std::fs::create_dir_all(&empty).unwrap();
+    assert_clean_error(
+        &["train", "--data", empty.to_str().unwrap()],
+        "no class folders found",
+    );
+    std::fs::remove_dir_all(&empty).ok();
+    assert_clean_error(
+        &[
+            "train",
+            "--data",
+            &fixture("photos/train"),
+            "--val-data",
+            &fixture("photos_corrupt"),
+        ],
+        "differ from those of",
+    );
+    assert_clean_error(
+        &["train", "--val-data", &fixture("photos/val")],
+        "--val-data needs an image folder as --data",
+    );
+    assert_clean_error(
+        &[
+            "eval",
+            "--weights",
+            "/nonexistent/w.safetensors",
+            "--data",
+            &fixture("photos/train"),
+            "--val-fraction",
+            "0",
+        ],
+        "no validation images",
+    );
 }
 
 /// Mixed precision end to end: f16 trains with the loss scaler (its state

@@ -2,46 +2,15 @@
 //! conversion, the embedded digits, and Fashion-MNIST when it is installed.
 
 use std::io::Write;
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
+mod common;
+
+use common::TempDir;
 use memfit::Error;
 use memfit::data::{
     DIGITS_LEN, IdxImages, fashion_mnist_files, fashion_mnist_files_in, idx_to_dataset,
     load_digits, load_fashion_mnist, read_idx_images, read_idx_labels,
 };
-
-/// A fresh folder under the system temp dir, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> Self {
-        static COUNTER: AtomicUsize = AtomicUsize::new(0);
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
-        let dir = std::env::temp_dir().join(format!(
-            "memfit-data-{name}-{}-{}-{nanos}",
-            std::process::id(),
-            COUNTER.fetch_add(1, Ordering::Relaxed)
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-
-    fn write(&self, name: &str, bytes: &[u8]) -> PathBuf {
-        let p = self.0.join(name);
-        std::fs::write(&p, bytes).unwrap();
-        p
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn idx_bytes(magic: u32, dims: &[u32], payload: &[u8]) -> Vec<u8> {
     let mut b = magic.to_be_bytes().to_vec();

@@ -4,43 +4,14 @@
 //! `tools/make_photo_fixtures.py`.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
+mod common;
+
+use common::TempDir;
 use memfit::Error;
 use memfit::data::{
     Dataset, ImageFolder, ImageFolderDataset, Loader, Transform, decode_rgb, load_rgb, skip_warning,
 };
-
-/// A fresh folder under the system temp dir, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> Self {
-        static COUNTER: AtomicUsize = AtomicUsize::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "memfit-folder-{name}-{}-{}",
-            std::process::id(),
-            COUNTER.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-
-    /// Writes `bytes` at `rel`, creating its folders.
-    fn write(&self, rel: &str, bytes: &[u8]) -> PathBuf {
-        let p = self.0.join(rel);
-        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
-        std::fs::write(&p, bytes).unwrap();
-        p
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// An 8-bit RGB PNG of `w`x`h` filled with `rgb`.
 fn png_bytes(w: u32, h: u32, rgb: [u8; 3]) -> Vec<u8> {

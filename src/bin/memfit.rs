@@ -9,7 +9,10 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use memfit::data::{InMemoryDataset, SyntheticGratings, load_digits, load_fashion_mnist};
+use memfit::data::{
+    Dataset, ImageFolder, ImageFolderDataset, InMemoryDataset, SyntheticGratings, Transform,
+    load_digits, load_fashion_mnist,
+};
 use memfit::exec::{LossOptions, forward_backward};
 use memfit::io::{TensorFile, fc_rows, load_torchvision, save_state_dict};
 use memfit::memory::{Category, MemoryStats, Pool, Tag, fmt_bytes, parse_bytes};
@@ -37,7 +40,8 @@ struct Cli {
 enum Command {
     /// Train a ResNet (default: a small ResNet-18 on the embedded digits).
     Train(TrainArgs),
-    /// Loss, top-1 and top-5 of saved weights on a dataset's validation split.
+    /// Loss, top-1 and top-5 of saved weights on a dataset's validation split
+    /// (the one `train` evaluates on with the same data flags).
     Eval(EvalArgs),
     /// Show the memory plan `train` would use with the same flags (per
     /// stage: kept or recomputed) and its predicted peak per category,
@@ -239,13 +243,35 @@ enum ScheduleKind {
 #[derive(Args)]
 struct DataArgs {
     /// digits (embedded, scikit-learn's 8x8 handwritten digits),
-    /// fashion-mnist (Debian's dataset-fashion-mnist) or synthetic (gratings).
+    /// fashion-mnist (Debian's dataset-fashion-mnist), synthetic (gratings),
+    /// or the path of an image folder in torchvision's ImageFolder layout,
+    /// root/<class>/**/<image>.{jpg,jpeg,png} (write ./digits for a folder
+    /// named like a built-in set).
     #[arg(long, default_value = "digits")]
     data: String,
+    /// Validation image folder (same class folders as --data). Default for a
+    /// folder --data: the seeded --val-fraction split of it.
+    #[arg(long)]
+    val_data: Option<PathBuf>,
     /// Side of the square network input; images are resized (bilinear) to it.
-    /// Default: 32 for digits and synthetic, 28 for fashion-mnist.
+    /// Default: 32 for digits and synthetic, 28 for fashion-mnist, 224 for
+    /// image folders.
     #[arg(long)]
     image_size: Option<usize>,
+    /// Image folders: threads decoding and augmenting batches ahead of the
+    /// training step (0: on the training thread). Results do not depend on
+    /// it. The built-in sets are in memory and always load on the training
+    /// thread.
+    #[arg(long, default_value_t = 2)]
+    workers: usize,
+    /// Image folders: no random crop or flip. Training and validation images
+    /// are resized (shorter side) to --image-size and centre-cropped.
+    /// Without it, training uses RandomResizedCrop (scale 0.08-1, ratio
+    /// 3/4-4/3) and a horizontal flip, and validation resizes the shorter
+    /// side to image-size*256/224 and centre-crops; all are normalised with
+    /// the ImageNet mean and std.
+    #[arg(long)]
+    no_augment: bool,
     /// Classes of the synthetic gratings.
     #[arg(long, default_value_t = 6)]
     classes: usize,
@@ -255,7 +281,9 @@ struct DataArgs {
     /// Images of the synthetic validation set.
     #[arg(long, default_value_t = 768)]
     val_size: usize,
-    /// Fraction of the digits held out for validation.
+    /// Fraction held out for validation from the digits, or from an image
+    /// folder given without --val-data (a shuffle seeded by --seed, so the
+    /// split is the same on every run with that seed; 0: no validation).
     #[arg(long, default_value_t = 0.2)]
     val_fraction: f32,
 }
@@ -805,8 +833,28 @@ fn bench_max_batch(a: MaxBatchArgs) -> Result<()> {
     Ok(())
 }
 
+/// The datasets `train` and `eval` use.
+struct Data {
+    train: Box<dyn Dataset>,
+    val: Box<dyn Dataset>,
+    /// Side of the square images both yield.
+    size: usize,
+    /// Loader threads: only files are worth loading ahead.
+    workers: usize,
+}
+
 /// (train, validation) sets at the requested image size.
-fn load_data(a: &DataArgs, seed: u64) -> Result<(InMemoryDataset, InMemoryDataset, usize)> {
+fn load_data(a: &DataArgs, seed: u64) -> Result<Data> {
+    let builtin = ["digits", "fashion-mnist", "synthetic"].contains(&a.data.as_str());
+    if !builtin {
+        return load_folders(a, seed);
+    }
+    if a.val_data.is_some() {
+        bail!(
+            "--val-data needs an image folder as --data, not '{}'",
+            a.data
+        );
+    }
     let (train, val, native) = match a.data.as_str() {
         "digits" => {
             let (t, v) = load_digits(a.val_fraction, seed)?;
@@ -816,7 +864,7 @@ fn load_data(a: &DataArgs, seed: u64) -> Result<(InMemoryDataset, InMemoryDatase
             let (t, v) = load_fashion_mnist()?;
             (t, v, 28)
         }
-        "synthetic" => {
+        _ => {
             if a.classes < 2 {
                 bail!("--classes must be at least 2");
             }
@@ -835,10 +883,66 @@ fn load_data(a: &DataArgs, seed: u64) -> Result<(InMemoryDataset, InMemoryDatase
             );
             (t, v, size)
         }
-        other => bail!("unknown dataset '{other}' (choose digits, fashion-mnist or synthetic)"),
     };
     let size = a.image_size.unwrap_or(native);
-    Ok((train.resized(size), val.resized(size), size))
+    let (train, val): (InMemoryDataset, InMemoryDataset) = (train.resized(size), val.resized(size));
+    Ok(Data {
+        train: Box::new(train),
+        val: Box::new(val),
+        size,
+        workers: 0,
+    })
+}
+
+/// `--data DIR` (and `--val-data DIR`): image folders decoded on the fly.
+fn load_folders(a: &DataArgs, seed: u64) -> Result<Data> {
+    let root = PathBuf::from(&a.data);
+    if !root.is_dir() {
+        bail!(
+            "unknown dataset '{}' (choose digits, fashion-mnist, synthetic or an image folder)",
+            a.data
+        );
+    }
+    let size = a.image_size.unwrap_or(224);
+    if size == 0 {
+        bail!("--image-size must be at least 1");
+    }
+    let folder = ImageFolder::scan(&root)?;
+    let (train, val) = match &a.val_data {
+        Some(v) => {
+            let val = ImageFolder::scan(v)?;
+            if val.classes != folder.classes {
+                bail!(
+                    "{}: class folders {:?} differ from those of {}: {:?} (labels would not match)",
+                    v.display(),
+                    val.classes,
+                    root.display(),
+                    folder.classes
+                );
+            }
+            (folder, val)
+        }
+        None => folder.split(a.val_fraction, seed)?,
+    };
+    let (train_tf, val_tf) = if a.no_augment {
+        (Transform::no_augment(size), Transform::no_augment(size))
+    } else {
+        (Transform::train(size), Transform::eval(size))
+    };
+    Ok(Data {
+        train: Box::new(ImageFolderDataset {
+            folder: train,
+            transform: train_tf,
+            seed,
+        }),
+        val: Box::new(ImageFolderDataset {
+            folder: val,
+            transform: val_tf,
+            seed,
+        }),
+        size,
+        workers: a.workers,
+    })
 }
 
 fn build_model(
@@ -882,19 +986,20 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
         BnKind::Frozen => BnPolicy::Frozen,
     };
     let pool = Pool::new();
-    let (train_set, val_set, size) = load_data(&a.data, a.seed)?;
+    let data = load_data(&a.data, a.seed)?;
+    let (train_set, val_set, size) = (&*data.train, &*data.val, data.size);
     let init = a.init.as_ref().map(TensorFile::open).transpose()?;
     // The dataset decides the classes; without --reset-head they must match --init's fc.
     let init_rows = match (&init, a.reset_head) {
         (Some(f), false) => fc_rows(f),
         _ => None,
     };
-    let classes = a.num_classes.or(init_rows).unwrap_or(train_set.classes);
-    if classes < train_set.classes {
+    let classes = a.num_classes.or(init_rows).unwrap_or(train_set.classes());
+    if classes < train_set.classes() {
         bail!(
             "{} classes are too few: the dataset has labels 0..{}",
             classes,
-            train_set.classes - 1
+            train_set.classes() - 1
         );
     }
     if let (Some(f), Some(rows)) = (&init, init_rows)
@@ -1067,7 +1172,7 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
         metrics_jsonl: a.metrics_jsonl.clone(),
         scaler,
         inject_inf_steps: Vec::new(),
-        workers: 0,
+        workers: data.workers,
         save_every_epochs: a
             .save_every_epochs
             .or((a.save_every_steps.is_none()).then_some(1)),
@@ -1083,8 +1188,8 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
         &mut model,
         &pool,
         &mut optimizer,
-        &train_set,
-        &val_set,
+        train_set,
+        val_set,
         &opts,
         |r| {
             let eval = r.eval.map_or(String::new(), |e| {
@@ -1104,6 +1209,9 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
                 r.img_per_s,
                 fmt_bytes(r.memory.peak_total)
             );
+            if r.skipped > 0 {
+                println!("skipped {} unreadable files", r.skipped);
+            }
         },
     )?;
     println!("trained in {:.1} s", start.elapsed().as_secs_f64());
@@ -1129,19 +1237,26 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
 
 fn eval(a: EvalArgs) -> Result<()> {
     let pool = Pool::new();
-    let (_, val_set, size) = load_data(&a.data, a.seed)?;
+    let data = load_data(&a.data, a.seed)?;
+    let (val_set, size) = (&*data.val, data.size);
+    if val_set.is_empty() {
+        bail!("no validation images: pass --val-data, or a --val-fraction above 0");
+    }
     let file = TensorFile::open(&a.weights)?;
-    let classes = fc_rows(&file).unwrap_or(val_set.classes);
+    let classes = fc_rows(&file).unwrap_or(val_set.classes());
     let mut model = build_model(&pool, &a.model, a.base_width, a.stem.into(), classes, 0)?;
     load_torchvision(&mut model, &file, false)?;
     model.check_image_size(size, size)?;
-    let e = evaluate(&mut model, &pool, &val_set, a.batch_size, 0)?;
+    let e = evaluate(&mut model, &pool, val_set, a.batch_size, data.workers)?;
     println!(
         "{} images: loss {:.4}, top-1 {:.2}%, top-5 {:.2}%",
-        val_set.len(),
+        e.samples,
         e.loss,
         100.0 * e.top1,
         100.0 * e.top5
     );
+    if e.skipped > 0 {
+        println!("skipped {} unreadable files", e.skipped);
+    }
     Ok(())
 }

@@ -5,11 +5,9 @@
 
 use std::io::Read;
 
-use flate2::read::GzDecoder;
-use rand::{SeedableRng, rngs::ChaCha8Rng, seq::SliceRandom};
-
-use super::InMemoryDataset;
+use super::{InMemoryDataset, seeded_split};
 use crate::error::{Error, Result};
+use flate2::read::GzDecoder;
 
 /// `sklearn/datasets/data/digits.csv.gz`: one image a line, 64 pixels then
 /// the label.
@@ -27,19 +25,9 @@ const PIXELS: usize = DIGITS_SIZE * DIGITS_SIZE;
 /// normalised with the mean and std of all 1,797 images, and replicated to 3
 /// channels (8×8×3).
 pub fn load_digits(val_fraction: f32, seed: u64) -> Result<(InMemoryDataset, InMemoryDataset)> {
-    if !(val_fraction.is_finite() && (0.0..1.0).contains(&val_fraction)) {
-        return Err(Error::invalid(
-            "load_digits",
-            format!("val_fraction must be in [0, 1), got {val_fraction}"),
-        ));
-    }
     let (pixels, labels) = parse_digits_csv_gz(DIGITS_CSV_GZ, DIGITS_NAME)?;
-    let n = labels.len();
     let (mean, std) = mean_std(&pixels);
-    let mut order: Vec<usize> = (0..n).collect();
-    order.shuffle(&mut ChaCha8Rng::seed_from_u64(seed));
-    let n_val = ((n as f64 * val_fraction as f64).round() as usize).min(n);
-    let (val_idx, train_idx) = order.split_at(n_val);
+    let (train_idx, val_idx) = seeded_split(labels.len(), val_fraction, seed, "load_digits")?;
     let build = |idx: &[usize]| {
         let mut images = Vec::with_capacity(idx.len() * PIXELS * 3);
         for &i in idx {
@@ -56,7 +44,7 @@ pub fn load_digits(val_fraction: f32, seed: u64) -> Result<(InMemoryDataset, InM
             classes: DIGITS_CLASSES,
         }
     };
-    Ok((build(train_idx), build(val_idx)))
+    Ok((build(&train_idx), build(&val_idx)))
 }
 
 /// Mean and (population) std of all pixels scaled by 1/16.

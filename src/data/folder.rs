@@ -24,9 +24,8 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use rand::{SeedableRng, rngs::ChaCha8Rng, seq::SliceRandom};
-
 use super::decode::{RgbImage, load_rgb};
+use super::seeded_split;
 use crate::error::{Error, Result};
 
 /// Extensions (lower case, no dot) of the files a class folder contributes.
@@ -214,21 +213,10 @@ impl ImageFolder {
     }
 
     /// Deterministic (train, val) split for a folder without a separate
-    /// validation folder: a seeded shuffle (ChaCha8) of all samples, the
-    /// first `round(len · val_fraction)` of which form the validation set,
-    /// as for the embedded digits. Both keep all classes and the scan order.
+    /// validation folder: [`seeded_split`], as for the embedded digits. Both
+    /// keep all classes and the scan order.
     pub fn split(&self, val_fraction: f32, seed: u64) -> Result<(ImageFolder, ImageFolder)> {
-        if !(val_fraction.is_finite() && (0.0..1.0).contains(&val_fraction)) {
-            return Err(Error::invalid(
-                "ImageFolder::split",
-                format!("val_fraction must be in [0, 1), got {val_fraction}"),
-            ));
-        }
-        let n = self.len();
-        let mut order: Vec<usize> = (0..n).collect();
-        order.shuffle(&mut ChaCha8Rng::seed_from_u64(seed));
-        let n_val = ((n as f64 * val_fraction as f64).round() as usize).min(n);
-        let (val, train) = order.split_at(n_val);
+        let (train, val) = seeded_split(self.len(), val_fraction, seed, "ImageFolder::split")?;
         let subset = |idx: &[usize]| {
             let mut idx = idx.to_vec();
             idx.sort_unstable();
@@ -239,7 +227,7 @@ impl ImageFolder {
                 skipped: AtomicUsize::new(0),
             }
         };
-        Ok((subset(train), subset(val)))
+        Ok((subset(&train), subset(&val)))
     }
 }
 

@@ -168,6 +168,25 @@ fn load_batch(data: &dyn Dataset, order: &[usize], first: usize, epoch: usize) -
 /// batch (the last may be shorter, and so may any with skipped samples),
 /// by `workers` threads (0: on the calling thread, when the batch is asked
 /// for).
+///
+/// ```
+/// use memfit::data::{Loader, SyntheticGratings};
+///
+/// let data = SyntheticGratings::generate(10, 8, 2, 0);
+/// let loader = Loader { data: &data, batch_size: 4, workers: 2 };
+/// // Threads live in a scope that outlives the iterator.
+/// let sizes = std::thread::scope(|s| -> memfit::Result<Vec<usize>> {
+///     let mut sizes = Vec::new();
+///     for batch in loader.epoch(s, (0..10).rev().collect(), 1) {
+///         let batch = batch?;
+///         assert_eq!(batch.images.len(), batch.labels.len() * 8 * 8 * 3);
+///         sizes.push(batch.labels.len());
+///     }
+///     Ok(sizes)
+/// })?;
+/// assert_eq!(sizes, [4, 4, 2]);
+/// # Ok::<(), memfit::Error>(())
+/// ```
 #[derive(Clone, Copy)]
 pub struct Loader<'a> {
     pub data: &'a dyn Dataset,

@@ -1,5 +1,5 @@
-//! Datasets, all loaded into an [`InMemoryDataset`] (NHWC f32, 3 channels,
-//! already normalised):
+//! Datasets. The built-in ones are loaded whole into an [`InMemoryDataset`]
+//! (NHWC f32, 3 channels, already normalised):
 //!
 //! - [`SyntheticGratings`]: built-in, deterministic, needs no files; small
 //!   images of oriented sine gratings whose class is the orientation. It is
@@ -10,6 +10,12 @@
 //! - [`load_fashion_mnist`]: Fashion-MNIST from the IDX files installed by
 //!   Debian's `dataset-fashion-mnist` package ([`FASHION_MNIST_DEBIAN_DIR`])
 //!   or `$MEMFIT_FASHION_MNIST_DIR`, read by the IDX reader in [`idx`].
+//!
+//! Image folders are read lazily: [`ImageFolder`] scans torchvision's
+//! layout ([`folder`]), [`decode`] turns JPEG/PNG files into RGB bytes and
+//! [`transform`] into augmented, normalised inputs. Training and evaluation
+//! see both kinds through the [`Dataset`] trait, batched by a [`Loader`]
+//! ([`loader`]) on background threads.
 
 pub mod decode;
 pub mod digits;
@@ -30,13 +36,38 @@ pub use fashion::{
 pub use folder::{IMAGE_EXTENSIONS, ImageFolder, Sample, skip_warning};
 pub use idx::{IdxImages, idx_to_dataset, read_idx_images, read_idx_labels};
 pub use loader::{Batch, Batches, Dataset, ImageFolderDataset, Loader};
-pub use resize::{Window, resize_bilinear};
+pub use resize::{Window, resize_bilinear, resize_crop_u8};
 pub use transform::{
     Augment, IMAGENET_MEAN, IMAGENET_STD, Transform, center_crop_window, eval_resize,
     random_resized_crop_window, resize_shorter, sample_rng,
 };
 
-use rand::{RngExt, SeedableRng, rngs::ChaCha8Rng};
+use rand::{RngExt, SeedableRng, rngs::ChaCha8Rng, seq::SliceRandom};
+
+use crate::error::{Error, Result};
+
+/// The (train, val) indices of a seeded split of `0..n`: a ChaCha8 shuffle
+/// seeded by `seed`, the first `round(n · val_fraction)` of which are the
+/// validation set; both in shuffled order. `op` names the caller in the
+/// error for a fraction outside [0, 1).
+pub fn seeded_split(
+    n: usize,
+    val_fraction: f32,
+    seed: u64,
+    op: &'static str,
+) -> Result<(Vec<usize>, Vec<usize>)> {
+    if !(val_fraction.is_finite() && (0.0..1.0).contains(&val_fraction)) {
+        return Err(Error::invalid(
+            op,
+            format!("val_fraction must be in [0, 1), got {val_fraction}"),
+        ));
+    }
+    let mut order: Vec<usize> = (0..n).collect();
+    order.shuffle(&mut ChaCha8Rng::seed_from_u64(seed));
+    let n_val = ((n as f64 * val_fraction as f64).round() as usize).min(n);
+    let train = order.split_off(n_val);
+    Ok((train, order))
+}
 
 /// An in-memory labelled image set, NHWC f32, already normalised.
 #[derive(Clone)]

@@ -53,17 +53,54 @@ pub fn resize_bilinear(
     out_h: usize,
     out_w: usize,
 ) {
-    assert!(win.h > 0 && win.w > 0 && win.left + win.w <= src_w);
     assert!((win.top + win.h) * src_w * 3 <= src.len());
-    assert_eq!(dst.len(), out_h * out_w * 3);
-    let xs: Vec<(usize, usize, f32)> = (0..out_w).map(|o| coord(o, win.w, out_w)).collect();
-    let px = |y: usize, x: usize, c: usize| src[((win.top + y) * src_w + win.left + x) * 3 + c];
-    for (oy, row) in dst.chunks_exact_mut(out_w * 3).enumerate() {
+    resample(
+        dst,
+        |i| src[i],
+        src_w,
+        win,
+        (out_h, out_w),
+        Window::full(out_h, out_w),
+    );
+}
+
+/// The `crop` part of what [`resize_bilinear`] would make of the `win` part
+/// of the bytes `src`, as f32 in 0..=255, without the rest: a crop of a
+/// large resize costs only its own pixels. `dst` holds `crop.h · crop.w · 3`
+/// values; `crop` must lie inside `out` (h, w).
+pub fn resize_crop_u8(
+    dst: &mut [f32],
+    src: &[u8],
+    src_w: usize,
+    win: Window,
+    out: (usize, usize),
+    crop: Window,
+) {
+    assert!((win.top + win.h) * src_w * 3 <= src.len());
+    resample(dst, |i| src[i] as f32, src_w, win, out, crop);
+}
+
+fn resample(
+    dst: &mut [f32],
+    px: impl Fn(usize) -> f32,
+    src_w: usize,
+    win: Window,
+    (out_h, out_w): (usize, usize),
+    crop: Window,
+) {
+    assert!(win.h > 0 && win.w > 0 && win.left + win.w <= src_w);
+    assert!(crop.top + crop.h <= out_h && crop.left + crop.w <= out_w);
+    assert_eq!(dst.len(), crop.h * crop.w * 3);
+    let xs: Vec<(usize, usize, f32)> = (crop.left..crop.left + crop.w)
+        .map(|o| coord(o, win.w, out_w))
+        .collect();
+    let at = |y: usize, x: usize, c: usize| px(((win.top + y) * src_w + win.left + x) * 3 + c);
+    for (row, oy) in dst.chunks_exact_mut(crop.w * 3).zip(crop.top..) {
         let (y0, y1, fy) = coord(oy, win.h, out_h);
         for (out, &(x0, x1, fx)) in row.chunks_exact_mut(3).zip(&xs) {
             for (c, v) in out.iter_mut().enumerate() {
-                let top = px(y0, x0, c) * (1.0 - fx) + px(y0, x1, c) * fx;
-                let bottom = px(y1, x0, c) * (1.0 - fx) + px(y1, x1, c) * fx;
+                let top = at(y0, x0, c) * (1.0 - fx) + at(y0, x1, c) * fx;
+                let bottom = at(y1, x0, c) * (1.0 - fx) + at(y1, x1, c) * fx;
                 *v = top * (1.0 - fy) + bottom * fy;
             }
         }
@@ -108,5 +145,31 @@ mod tests {
         let mut dst = vec![0.0; src.len()];
         resize_bilinear(&mut dst, &src, 7, Window::full(5, 7), 5, 7);
         assert_eq!(dst, src);
+    }
+
+    #[test]
+    fn a_crop_of_the_resize_is_the_resize_cropped() {
+        let src: Vec<u8> = (0..6 * 9 * 3).map(|i| (i * 37 % 251) as u8).collect();
+        let as_f32: Vec<f32> = src.iter().map(|&v| v as f32).collect();
+        let win = Window {
+            top: 1,
+            left: 2,
+            h: 5,
+            w: 6,
+        };
+        let mut full = vec![0.0; 11 * 13 * 3];
+        resize_bilinear(&mut full, &as_f32, 9, win, 11, 13);
+        let crop = Window {
+            top: 3,
+            left: 4,
+            h: 7,
+            w: 5,
+        };
+        let mut part = vec![0.0; 7 * 5 * 3];
+        resize_crop_u8(&mut part, &src, 9, win, (11, 13), crop);
+        for y in 0..7 {
+            let start = ((crop.top + y) * 13 + crop.left) * 3;
+            assert_eq!(&part[y * 15..(y + 1) * 15], &full[start..start + 15]);
+        }
     }
 }

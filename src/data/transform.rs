@@ -11,8 +11,8 @@
 //!
 //! each followed by `ToTensor` (÷255) and `Normalize(mean, std)`, ImageNet's
 //! by default. Resampling is bilinear without antialiasing
-//! ([`super::resize`]), on f32 values (torchvision on PIL images rounds the
-//! resized image to bytes first and antialiases when shrinking).
+//! ([`super::resize`]), on unrounded values (torchvision on PIL images
+//! rounds the resized image to bytes and antialiases when shrinking).
 //!
 //! Randomness comes from the caller's RNG: [`sample_rng`] derives one per
 //! sample from (seed, epoch, position in the epoch), so a sample's crop does
@@ -21,7 +21,7 @@
 use rand::{RngExt, SeedableRng, rngs::ChaCha8Rng};
 
 use super::decode::RgbImage;
-use super::resize::{Window, resize_bilinear};
+use super::resize::{Window, resize_crop_u8};
 use crate::error::{Error, Result};
 
 pub const IMAGENET_MEAN: [f32; 3] = [0.485, 0.456, 0.406];
@@ -107,36 +107,29 @@ impl Transform {
                 got: format!("{} bytes", img.data.len()),
             });
         }
-        // ToTensor first: resampling then works on the values a torchvision
-        // tensor pipeline would see, and a pass-through copies them.
-        let src: Vec<f32> = img.data.iter().map(|&v| v as f32 / 255.0).collect();
+        // Resampling reads the bytes directly (as f32 in 0..=255) and keeps
+        // only the output's pixels, so a large photo costs no f32 copy.
         match self.augment {
             Augment::RandomResizedCrop { scale, ratio } => {
                 let win = random_resized_crop_window(img.h, img.w, scale, ratio, rng);
-                resize_bilinear(out, &src, img.w, win, s, s);
+                resize_crop_u8(out, &img.data, img.w, win, (s, s), Window::full(s, s));
                 if rng.random::<f32>() < 0.5 {
                     flip_horizontal(out, s);
                 }
             }
             Augment::CenterCrop { resize } => {
+                // Same-size "resampling" is exact (every weight is 0 or 1),
+                // so an image already at the output size passes through.
                 let (h, w) = resize_shorter(img.h, img.w, resize.max(s));
-                let resized = if (h, w) == (img.h, img.w) {
-                    src
-                } else {
-                    let mut r = vec![0.0; h * w * 3];
-                    resize_bilinear(&mut r, &src, img.w, Window::full(img.h, img.w), h, w);
-                    r
-                };
-                let win = center_crop_window(h, w, s, s);
-                for (y, row) in out.chunks_exact_mut(s * 3).enumerate() {
-                    let start = ((win.top + y) * w + win.left) * 3;
-                    row.copy_from_slice(&resized[start..start + s * 3]);
-                }
+                let crop = center_crop_window(h, w, s, s);
+                let win = Window::full(img.h, img.w);
+                resize_crop_u8(out, &img.data, img.w, win, (h, w), crop);
             }
         }
+        // ToTensor (÷255), then Normalize.
         for px in out.chunks_exact_mut(3) {
             for ((v, mean), std) in px.iter_mut().zip(self.mean).zip(self.std) {
-                *v = (*v - mean) / std;
+                *v = (*v / 255.0 - mean) / std;
             }
         }
         Ok(())
@@ -439,13 +432,14 @@ mod tests {
         assert_eq!(eval_resize(7), 8);
         let mut out = vec![0.0; t.output_len()];
         t.apply(&img, &mut sample_rng(0, 0, 0), &mut out).unwrap();
-        let src: Vec<f32> = img.data.iter().map(|&v| v as f32 / 255.0).collect();
+        let src: Vec<f32> = img.data.iter().map(|&v| v as f32).collect();
         let mut full = vec![0.0; 8 * 16 * 3];
-        resize_bilinear(&mut full, &src, 12, Window::full(6, 12), 8, 16);
+        super::super::resize_bilinear(&mut full, &src, 12, Window::full(6, 12), 8, 16);
         for y in 0..7 {
             for x in 0..7 {
                 let start = (y * 16 + x + 4) * 3;
-                assert_eq!(&out[(y * 7 + x) * 3..][..3], &full[start..start + 3]);
+                let want: Vec<f32> = full[start..start + 3].iter().map(|v| v / 255.0).collect();
+                assert_eq!(&out[(y * 7 + x) * 3..][..3], &want[..]);
             }
         }
     }
