@@ -655,3 +655,41 @@ fn mixed_precision_trains_and_reports_its_scaler() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--config FILE.toml` supplies flags; the command line overrides them;
+/// unknown keys and unsupported values are clear errors.
+#[test]
+fn a_toml_config_supplies_flags_that_the_command_line_overrides() {
+    let dir = std::env::temp_dir().join(format!("memfit_cli_cfg_{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("run.toml");
+    std::fs::write(
+        &cfg,
+        "batch_size = 32\nsteps = 2\nlr = 0.02\nnesterov = true\n",
+    )
+    .unwrap();
+    let c = cfg.to_str().unwrap();
+    let (code, out, err) = memfit(&["plan", "--config", c]);
+    assert_eq!(code, 0, "stderr:\n{err}");
+    assert!(out.contains("= batch 32"), "{out}");
+    let (code, out, err) = memfit(&["plan", "--config", c, "--batch-size", "8"]);
+    assert_eq!(code, 0, "stderr:\n{err}");
+    assert!(out.contains("= batch 8"), "the command line wins: {out}");
+    let bad = dir.join("bad.toml");
+    std::fs::write(&bad, "bach_size = 32\n").unwrap();
+    assert_clean_error(
+        &["train", "--config", bad.to_str().unwrap()],
+        "unknown key 'bach_size'",
+    );
+    std::fs::write(&bad, "lr = [0.1]\n").unwrap();
+    assert_clean_error(
+        &["train", "--config", bad.to_str().unwrap()],
+        "holds a value of type array",
+    );
+    std::fs::write(&bad, "lr = \n").unwrap();
+    assert_clean_error(
+        &["train", "--config", bad.to_str().unwrap()],
+        "not valid TOML",
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

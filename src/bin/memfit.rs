@@ -1,5 +1,6 @@
 //! The `memfit` command line.
 
+use std::ffi::OsString;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
@@ -7,7 +8,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use std::path::PathBuf;
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
 
 use memfit::data::{
     Dataset, ImageFolder, ImageFolderDataset, InMemoryDataset, SyntheticGratings, Transform,
@@ -39,13 +40,16 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Train a ResNet (default: a small ResNet-18 on the embedded digits).
+    #[command(args_override_self = true)]
     Train(TrainArgs),
     /// Loss, top-1 and top-5 of saved weights on a dataset's validation split
     /// (the one `train` evaluates on with the same data flags).
+    #[command(args_override_self = true)]
     Eval(EvalArgs),
     /// Show the memory plan `train` would use with the same flags (per
     /// stage: kept or recomputed) and its predicted peak per category,
     /// without training.
+    #[command(args_override_self = true)]
     Plan(TrainArgs),
     /// Benchmarks.
     #[command(subcommand)]
@@ -290,6 +294,11 @@ struct DataArgs {
 
 #[derive(Args)]
 struct TrainArgs {
+    /// Read flags from a TOML file (keys are flag names: `lr = 0.1`,
+    /// `batch_size = 64`, `nesterov = true`); flags on the command line
+    /// override it.
+    #[arg(long)]
+    config: Option<PathBuf>,
     #[arg(long, default_value = "resnet18")]
     model: String,
     /// Channels of the stem and layer1 (torchvision: 64).
@@ -382,6 +391,9 @@ struct TrainArgs {
 
 #[derive(Args)]
 struct EvalArgs {
+    /// Read flags from a TOML file, as for train.
+    #[arg(long)]
+    config: Option<PathBuf>,
     #[arg(long, default_value = "resnet18")]
     model: String,
     #[arg(long, default_value_t = 16)]
@@ -408,8 +420,68 @@ fn main() {
     }
 }
 
+/// `--config FILE.toml` (on train, plan and eval): each key is a flag of the
+/// subcommand (`batch_size = 64` or `batch-size = 64` is `--batch-size 64`,
+/// `nesterov = true` is `--nesterov`). They are placed right after the
+/// subcommand, so flags given on the command line override them.
+fn expand_config(mut args: Vec<OsString>) -> Result<Vec<OsString>> {
+    let Some(i) = args
+        .iter()
+        .position(|a| a == "--config" || a.to_string_lossy().starts_with("--config="))
+    else {
+        return Ok(args);
+    };
+    let arg = args.remove(i).to_string_lossy().to_string();
+    let path = match arg.strip_prefix("--config=") {
+        Some(p) => p.to_string(),
+        None if i < args.len() => args.remove(i).to_string_lossy().to_string(),
+        None => bail!("--config needs a file"),
+    };
+    let sub = args
+        .iter()
+        .position(|a| matches!(a.to_str(), Some("train" | "plan" | "eval")))
+        .ok_or_else(|| anyhow::anyhow!("--config works with train, plan and eval"))?;
+    let sub_name = args[sub].to_string_lossy().to_string();
+    let command = Cli::command();
+    let known: Vec<String> = command
+        .find_subcommand(&sub_name)
+        .map(|c| {
+            c.get_arguments()
+                .filter_map(|a| a.get_long().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default();
+    let text = std::fs::read_to_string(&path).with_context(|| format!("--config {path}"))?;
+    let table: toml::Table = text
+        .parse()
+        .map_err(|e| anyhow::anyhow!("{path}: not valid TOML: {e}"))?;
+    let mut flags: Vec<OsString> = Vec::new();
+    for (key, value) in table {
+        let long = key.replace('_', "-");
+        if !known.contains(&long) || long == "help" {
+            bail!(
+                "{path}: unknown key '{key}' (not a flag of memfit {sub_name}; see memfit {sub_name} --help)"
+            );
+        }
+        let flag = OsString::from(format!("--{long}"));
+        match value {
+            toml::Value::Boolean(true) => flags.push(flag),
+            toml::Value::Boolean(false) => {}
+            toml::Value::String(v) => flags.extend([flag, v.into()]),
+            toml::Value::Integer(v) => flags.extend([flag, v.to_string().into()]),
+            toml::Value::Float(v) => flags.extend([flag, v.to_string().into()]),
+            other => bail!(
+                "{path}: key '{key}' holds a value of type {}; use a string, number or boolean",
+                other.type_str()
+            ),
+        }
+    }
+    args.splice(sub + 1..sub + 1, flags);
+    Ok(args)
+}
+
 fn run() -> Result<()> {
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(expand_config(std::env::args_os().collect())?);
     if let Some(t) = cli.threads {
         if t == 0 {
             bail!("--threads must be at least 1");
