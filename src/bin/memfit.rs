@@ -1291,10 +1291,17 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
         print_memory(&last.memory);
         let (p, m) = (resolved.predicted.peak_total, last.memory.peak_total);
         println!(
-            "predicted peak {} vs measured {} ({:+.2}%)",
+            "predicted peak {} vs measured {} ({:+.2}%){}",
             fmt_bytes(p),
             fmt_bytes(m),
-            100.0 * (m as f64 - p as f64) / p.max(1) as f64
+            100.0 * (m as f64 - p as f64) / p.max(1) as f64,
+            // The prediction is of the steady state: from the second step
+            // on, the optimizer state is live during forward and backward.
+            if total_steps.saturating_sub(resume_step) < 2 {
+                "; the prediction is for the steady state from step 2, this run took fewer steps"
+            } else {
+                ""
+            }
         );
     }
     if let Some(path) = &a.memory.memory_trace {
