@@ -417,6 +417,15 @@ fn frozen_bn_affine_parameters_are_not_updated() {
     }
 }
 
+/// Closed-form saved bytes of a whole model for 3 images of 32×32.
+fn saved(c: &ResNetConfig) -> usize {
+    ResNet::new(&Pool::shapes_only(), c.clone())
+        .unwrap()
+        .saved_bytes_per_stage(3, 32, 32)
+        .iter()
+        .sum()
+}
+
 /// Recomputing BN+ReLU outputs in backward runs the forward's kernel on the
 /// forward's inputs, so gradients and buffers are bit-identical to keeping
 /// them, at every precision; the saved bytes drop by the BN+ReLU outputs.
@@ -437,14 +446,6 @@ fn bn_relu_recompute_is_exact_and_saves_its_outputs() {
             let (lc, sc) = run(&cheap, &Plan::keep_all_len(n));
             assert_eq!(lk, lc, "{block:?} {precision}: loss");
             assert!(sk == sc, "{block:?} {precision}: state differs");
-            let pool = Pool::shapes_only();
-            let saved = |c: &ResNetConfig| -> usize {
-                ResNet::new(&pool, c.clone())
-                    .unwrap()
-                    .saved_bytes_per_stage(3, 32, 32)
-                    .iter()
-                    .sum()
-            };
             assert!(
                 saved(&cheap) < saved(&keep),
                 "{block:?} {precision}: nothing saved"
@@ -485,14 +486,6 @@ fn run_frozen_bn(config: &ResNetConfig) -> Vec<(String, Vec<u32>)> {
 fn low_precision_halves_saved_activations_and_tracks_fp32_gradients() {
     let base = common::tiny_config(BlockKind::Bottleneck, [1, 1, 1, 1], 8, 10);
     let want = run_frozen_bn(&base);
-    let pool = Pool::shapes_only();
-    let saved = |c: &ResNetConfig| -> usize {
-        ResNet::new(&pool, c.clone())
-            .unwrap()
-            .saved_bytes_per_stage(3, 32, 32)
-            .iter()
-            .sum()
-    };
     let bits = |v: &[u32]| {
         v.iter()
             .map(|&b| f32::from_bits(b) as f64)

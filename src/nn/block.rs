@@ -131,6 +131,36 @@ fn join_residual(
     Ok(mask)
 }
 
+/// The end of a block's forward: the residual (the input `xv`, or its
+/// downsample) joins `z` with the final ReLU, the f32 view of the input is
+/// released, and the output is stored in the block's precision `p` (`sp`:
+/// the precision of what the backward keeps). Returns (output, ReLU mask,
+/// what the downsample's backward needs).
+#[allow(clippy::too_many_arguments)]
+fn finish_block(
+    pool: &Pool,
+    name: &Arc<str>,
+    downsample: Option<&mut Downsample>,
+    mut z: Tensor,
+    xv: F32View<'_>,
+    mode: Mode,
+    sp: Precision,
+    p: Precision,
+) -> Result<(Tensor, Tensor, Option<DownsampleSaved>)> {
+    let (mask, down) = match downsample {
+        Some(ds) => {
+            let (identity, saved) = ds.forward(pool, &xv, mode, sp)?;
+            (
+                join_residual(pool, name, &mut z, &identity, p)?,
+                Some(saved),
+            )
+        }
+        None => (join_residual(pool, name, &mut z, &xv, p)?, None),
+    };
+    drop(xv);
+    Ok((store(pool, z, p)?, mask, down))
+}
+
 /// The residual gradient of a block: `d_z` through the downsample when
 /// there is one, else added as is; then `d_x` is rounded as a low-type
 /// gradient would be.
@@ -256,20 +286,18 @@ impl BasicBlock {
         let y1 = store(pool, y1, sp)?;
         let y2 = self.conv2.forward(pool, &a1, "y")?;
         let a1 = keep_bn_relu(pool, a1, sp, self.recompute_bn_relu)?;
-        let (mut z, bn2) = self.bn2.forward(pool, &y2, false, mode, "out")?;
+        let (z, bn2) = self.bn2.forward(pool, &y2, false, mode, "out")?;
         let y2 = store(pool, y2, sp)?;
-        let (mask, down) = match self.downsample.as_mut() {
-            Some(ds) => {
-                let (identity, saved) = ds.forward(pool, &xv, mode, sp)?;
-                (
-                    join_residual(pool, &self.name, &mut z, &identity, p)?,
-                    Some(saved),
-                )
-            }
-            None => (join_residual(pool, &self.name, &mut z, &xv, p)?, None),
-        };
-        drop(xv);
-        let z = store(pool, z, p)?;
+        let (z, mask, down) = finish_block(
+            pool,
+            &self.name,
+            self.downsample.as_mut(),
+            z,
+            xv,
+            mode,
+            sp,
+            p,
+        )?;
         let saved = if mode.saves() {
             Some(BasicSaved {
                 x: store(pool, x, sp)?,
@@ -451,20 +479,18 @@ impl Bottleneck {
         let y2 = store(pool, y2, sp)?;
         let y3 = self.conv3.forward(pool, &a2, "y")?;
         let a2 = keep_bn_relu(pool, a2, sp, cheap)?;
-        let (mut z, bn3) = self.bn3.forward(pool, &y3, false, mode, "out")?;
+        let (z, bn3) = self.bn3.forward(pool, &y3, false, mode, "out")?;
         let y3 = store(pool, y3, sp)?;
-        let (mask, down) = match self.downsample.as_mut() {
-            Some(ds) => {
-                let (identity, saved) = ds.forward(pool, &xv, mode, sp)?;
-                (
-                    join_residual(pool, &self.name, &mut z, &identity, p)?,
-                    Some(saved),
-                )
-            }
-            None => (join_residual(pool, &self.name, &mut z, &xv, p)?, None),
-        };
-        drop(xv);
-        let z = store(pool, z, p)?;
+        let (z, mask, down) = finish_block(
+            pool,
+            &self.name,
+            self.downsample.as_mut(),
+            z,
+            xv,
+            mode,
+            sp,
+            p,
+        )?;
         let saved = if mode.saves() {
             Some(BottleneckSaved {
                 x: store(pool, x, sp)?,
