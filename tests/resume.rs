@@ -46,6 +46,7 @@ fn options(dir: &Path, max_steps: usize, resume_step: usize, f16: bool) -> Train
         scaler: f16.then(|| GradScaler::new(256.0, 2)),
         inject_inf_steps: if f16 { vec![3] } else { vec![] },
         workers: 0,
+        nan_policy: memfit::train::NanPolicy::Stop,
         save_dir: Some(dir.to_path_buf()),
         save_every_steps: Some(1),
         save_every_epochs: None,

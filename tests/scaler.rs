@@ -1,7 +1,9 @@
-//! f16 training with the dynamic loss scaler, through the training loop:
-//! an injected inf (the test hook `inject_inf_steps`) skips exactly that
-//! optimizer step and halves the scale; clean steps grow it after the
-//! growth interval; the metrics lines record scale, found_inf and skipped.
+//! Non-finite gradients through the training loop. f16 with the dynamic
+//! loss scaler: an injected inf (the test hook `inject_inf_steps`) skips
+//! exactly that optimizer step and halves the scale; clean steps grow it
+//! after the growth interval; the metrics lines record scale, found_inf and
+//! skipped. fp32 without a scaler: `NanPolicy::Stop` stops before the inf
+//! reaches the weights, `NanPolicy::Skip` drops the step.
 
 mod common;
 
@@ -32,6 +34,7 @@ fn options(steps: usize, inject: Vec<usize>, metrics: Option<std::path::PathBuf>
         scaler: Some(GradScaler::new(1024.0, 2)),
         inject_inf_steps: inject,
         workers: 0,
+        nan_policy: memfit::train::NanPolicy::Stop,
         save_dir: None,
         save_every_steps: None,
         save_every_epochs: None,
@@ -104,4 +107,42 @@ fn an_injected_inf_skips_the_step_and_backs_off_the_scale() {
     assert_eq!(train(3, vec![2, 3], None), train(1, vec![], None));
     assert_ne!(train(2, vec![], None), train(1, vec![], None));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn without_a_scaler_a_non_finite_gradient_stops_or_is_skipped() {
+    let run = |policy: memfit::train::NanPolicy, steps: usize, inject: Vec<usize>| {
+        let pool = Pool::new();
+        let config = common::tiny_config(BlockKind::Basic, [1, 1, 1, 1], 4, 3);
+        let mut model = ResNet::new(&pool, config).unwrap();
+        let data = SyntheticGratings::generate(24, 16, 3, 5);
+        let mut opt = Optimizer::Sgd(Sgd::new(0.05, 0.9, 0.0, false));
+        let mut o = options(steps, inject, None);
+        o.scaler = None;
+        o.nan_policy = policy;
+        let r = fit(&mut model, &pool, &mut opt, &data, &data, &o, |_| {});
+        let mut w = Vec::new();
+        model.visit_params(|p| {
+            w.push(
+                p.value
+                    .f32()
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect::<Vec<_>>(),
+            )
+        });
+        (r.map(|_| ()), w)
+    };
+    use memfit::train::NanPolicy::{Skip, Stop};
+    let (r, w) = run(Stop, 3, vec![2]);
+    let err = r.unwrap_err().to_string();
+    assert!(err.contains("at step 2"), "{err}");
+    assert_eq!(
+        w,
+        run(Stop, 1, vec![]).1,
+        "the inf never reached the weights"
+    );
+    let (r, w) = run(Skip, 2, vec![2]);
+    r.unwrap();
+    assert_eq!(w, run(Stop, 1, vec![]).1, "step 2 was skipped");
 }

@@ -21,7 +21,7 @@ use memfit::nn::{BnPolicy, Precision, ResNet, ResNetConfig, StemKind};
 use memfit::optim::{AdamW, GradScaler, LrSchedule, Schedule, Sgd};
 use memfit::plan::{PlanRequest, Strategy, report, resolve, simulate_training};
 use memfit::train::checkpoint::load_checkpoint;
-use memfit::train::{Optimizer, TrainOptions, evaluate, fit};
+use memfit::train::{NanPolicy, Optimizer, TrainOptions, evaluate, fit};
 
 #[derive(Parser)]
 #[command(
@@ -231,6 +231,12 @@ impl From<StemArg> for StemKind {
     }
 }
 
+#[derive(Clone, Copy, ValueEnum)]
+enum NanPolicyArg {
+    Stop,
+    Skip,
+}
+
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum OptimizerKind {
     Sgd,
@@ -381,6 +387,11 @@ struct TrainArgs {
     /// Checkpoints kept in --save-dir (the newest).
     #[arg(long, default_value_t = 3)]
     keep_checkpoints: usize,
+    /// What a non-finite loss or gradient does in fp32/bf16: stop (with the
+    /// step; the last checkpoint stays the last good one) or skip the step.
+    /// f16's loss scaler skips overflowing steps by itself.
+    #[arg(long, value_enum, default_value = "stop")]
+    nan_policy: NanPolicyArg,
     /// Continue a run from a checkpoint file or the newest one in a
     /// directory; every other flag must match the original run.
     #[arg(long)]
@@ -1244,6 +1255,10 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
         metrics_jsonl: a.metrics_jsonl.clone(),
         scaler,
         inject_inf_steps: Vec::new(),
+        nan_policy: match a.nan_policy {
+            NanPolicyArg::Stop => NanPolicy::Stop,
+            NanPolicyArg::Skip => NanPolicy::Skip,
+        },
         workers: data.workers,
         save_every_epochs: a
             .save_every_epochs

@@ -56,6 +56,8 @@ pub struct TrainOptions {
     /// Test hook: at these optimizer steps (1-based) one gradient element
     /// is set to inf after the backward, as an f16 overflow would.
     pub inject_inf_steps: Vec<usize>,
+    /// What a non-finite loss or gradient does without a loss scaler.
+    pub nan_policy: NanPolicy,
     /// Threads loading batches ahead of the step (decoding, augmenting);
     /// 0 loads each batch on the training thread when it is needed. The
     /// batches are the same for any count.
@@ -115,6 +117,29 @@ fn gather(pool: &Pool, (h, w): (usize, usize), images: &[f32]) -> Result<Tensor>
     let mut t = pool.empty_f32(&[n, h, w, 3], Category::Data, Tag::fixed("batch.images"))?;
     t.f32_mut().copy_from_slice(images);
     Ok(t)
+}
+
+/// `--nan-policy`: what a non-finite loss or gradient does (fp32, bf16;
+/// f16's loss scaler handles overflow itself).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum NanPolicy {
+    /// Stop with an error naming the step; nothing non-finite reaches the
+    /// weights.
+    #[default]
+    Stop,
+    /// Drop the step (no optimizer update) with a warning and go on.
+    Skip,
+}
+
+/// Whether every trainable gradient is finite.
+fn grads_finite(model: &mut ResNet) -> bool {
+    let mut ok = true;
+    model.visit_params(|p| {
+        if ok && !p.frozen {
+            ok = p.grad.f32().iter().all(|g| g.is_finite());
+        }
+    });
+    ok
 }
 
 /// The test hook of [`TrainOptions::inject_inf_steps`]: the first trainable
@@ -387,12 +412,22 @@ fn fit_in<'scope, 'env>(
                 inject_inf(model);
             }
             // The scaler decides about non-finite values under f16: the
-            // step is skipped and the scale backs off.
-            if !out.loss.is_finite() && scaler.is_none() {
+            // step is skipped and the scale backs off. Without one, a
+            // non-finite loss or gradient stops the run before it reaches
+            // the weights (the last checkpoint stays the last good one), or
+            // with `NanPolicy::Skip` the step is dropped.
+            let non_finite = scaler.is_none() && (!out.loss.is_finite() || !grads_finite(model));
+            if non_finite && opts.nan_policy == NanPolicy::Stop {
                 return Err(Error::NonFiniteLoss {
                     step,
                     loss: out.loss as f32,
                 });
+            }
+            if non_finite {
+                eprintln!(
+                    "warning: step {step}: non-finite loss or gradient ({}), step skipped",
+                    out.loss
+                );
             }
             // Unscale exactly once per optimizer step, before clipping.
             let scaled = scaler.as_mut().map(|s| {
@@ -403,7 +438,7 @@ fn fit_in<'scope, 'env>(
                     skipped: found_inf,
                 }
             });
-            let skip = scaled.is_some_and(|s| s.skipped);
+            let skip = non_finite || scaled.is_some_and(|s| s.skipped);
             let grad_norm = if skip {
                 None
             } else {
@@ -437,14 +472,21 @@ fn fit_in<'scope, 'env>(
             if let Some(w) = metrics.as_mut() {
                 let secs = t0.elapsed().as_secs_f64();
                 let gn = grad_norm.map_or("null".to_string(), |g| num(g as f64));
-                let sc = scaled.map_or(String::new(), |s| {
-                    format!(
-                        ",\"scale\":{},\"found_inf\":{},\"skipped\":{}",
-                        num(s.scale as f64),
-                        s.found_inf,
-                        s.skipped
-                    )
-                });
+                let sc = scaled.map_or(
+                    if non_finite {
+                        ",\"skipped\":true".to_string()
+                    } else {
+                        String::new()
+                    },
+                    |s| {
+                        format!(
+                            ",\"scale\":{},\"found_inf\":{},\"skipped\":{}",
+                            num(s.scale as f64),
+                            s.found_inf,
+                            s.skipped
+                        )
+                    },
+                );
                 writeln!(
                     w,
                     "{{\"step\":{step},\"epoch\":{epoch},\"loss\":{},\"lr\":{},\"img_per_s\":{},\"grad_norm\":{gn}{sc},{}}}",
