@@ -146,3 +146,38 @@ fn without_a_scaler_a_non_finite_gradient_stops_or_is_skipped() {
     r.unwrap();
     assert_eq!(w, run(Stop, 1, vec![]).1, "step 2 was skipped");
 }
+
+/// Clipping sees unscaled gradients: the gradient norm a step reports (the
+/// one clipping compares with its maximum) does not depend on the loss
+/// scale, up to f16 rounding. Clipping the scaled gradients would make it
+/// grow with the scale (here 16×).
+#[test]
+fn clipping_happens_after_unscaling() {
+    let dir = std::env::temp_dir().join(format!("memfit_clip_{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let norm_at = |scale: f32| -> f64 {
+        let path = dir.join(format!("m{scale}.jsonl"));
+        let _ = std::fs::remove_file(&path);
+        let pool = Pool::new();
+        let config = ResNetConfig {
+            precision: Precision::F16,
+            ..common::tiny_config(BlockKind::Basic, [1, 1, 1, 1], 4, 3)
+        };
+        let mut model = ResNet::new(&pool, config).unwrap();
+        let data = SyntheticGratings::generate(8, 16, 3, 5);
+        let mut opt = Optimizer::Sgd(Sgd::new(0.05, 0.9, 0.0, false));
+        let mut o = options(1, vec![], Some(path.clone()));
+        o.scaler = Some(GradScaler::new(scale, 2000));
+        fit(&mut model, &pool, &mut opt, &data, &data, &o, |_| {}).unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let line = text.lines().find(|l| l.starts_with("{\"step\"")).unwrap();
+        let v = line.split("\"grad_norm\":").nth(1).unwrap();
+        v[..v.find(',').unwrap()].parse().unwrap()
+    };
+    let (a, b) = (norm_at(64.0), norm_at(1024.0));
+    assert!(
+        a > 0.0 && (a - b).abs() <= 0.02 * a,
+        "grad norm {a} at scale 64 vs {b} at 1024"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
