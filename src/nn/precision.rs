@@ -16,6 +16,7 @@
 use std::ops::Deref;
 use std::str::FromStr;
 
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
@@ -75,10 +76,11 @@ impl Precision {
                     *x = bf16::from_f32(*x).to_f32();
                 }
             }),
+            // The slice conversions use F16C when the CPU has it.
             Precision::F16 => v.par_chunks_mut(CHUNK).for_each(|c| {
-                for x in c {
-                    *x = f16::from_f32(*x).to_f32();
-                }
+                let mut tmp = vec![f16::ZERO; c.len()];
+                tmp.convert_from_f32_slice(c);
+                tmp.convert_to_f32_slice(c);
             }),
         }
     }
@@ -181,11 +183,7 @@ pub fn store(pool: &Pool, t: Tensor, p: Precision) -> Result<Tensor> {
                 .f16_mut()
                 .par_chunks_mut(CHUNK)
                 .zip(src.par_chunks(CHUNK))
-                .for_each(|(d, s)| {
-                    for (d, &s) in d.iter_mut().zip(s) {
-                        *d = f16::from_f32(s);
-                    }
-                }),
+                .for_each(|(d, s)| d.convert_from_f32_slice(s)),
             Precision::F32 => unreachable!("handled above"),
         }
     }
@@ -219,11 +217,7 @@ fn widen(dst: &mut [f32], src: &Tensor) {
         DType::F16 => dst
             .par_chunks_mut(CHUNK)
             .zip(src.f16().par_chunks(CHUNK))
-            .for_each(|(d, s)| {
-                for (d, s) in d.iter_mut().zip(s) {
-                    *d = s.to_f32();
-                }
-            }),
+            .for_each(|(d, s)| s.convert_to_f32_slice(d)),
         DType::F32 => dst.copy_from_slice(src.f32()),
         other => panic!("{}: cannot widen {other:?} to f32", src.tag()),
     }
