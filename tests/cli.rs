@@ -693,3 +693,55 @@ fn a_toml_config_supplies_flags_that_the_command_line_overrides() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A real SIGTERM: the run saves the step it was on and exits 1 saying how
+/// to resume; resuming with the same flags finishes the run.
+#[test]
+fn sigterm_saves_a_checkpoint_and_the_run_resumes() {
+    let dir = std::env::temp_dir().join(format!("memfit_cli_sig_{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let save = dir.to_str().unwrap().to_string();
+    let flags = [
+        "train",
+        "--steps",
+        "400",
+        "--batch-size",
+        "16",
+        "--save-dir",
+        &save,
+        "--save-every-steps",
+        "1",
+    ];
+    let child = Command::new(env!("CARGO_BIN_EXE_memfit"))
+        .args(flags)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run memfit");
+    // Wait for the first checkpoint, so the signal lands mid-training.
+    let start = std::time::Instant::now();
+    while !dir.join("ckpt-00000001.safetensors").exists() {
+        assert!(start.elapsed().as_secs() < 60, "no checkpoint within 60 s");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "stderr:\n{err}");
+    assert!(
+        err.contains("interrupted after optimizer step") && err.contains("--resume"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    let mut resume = flags.to_vec();
+    resume.extend(["--resume", &save]);
+    let (code, out, err) = memfit(&resume);
+    assert_eq!(code, 0, "stderr:\n{err}");
+    assert!(out.contains("resuming from"), "{out}");
+    assert!(out.contains("trained in"), "{out}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
