@@ -16,6 +16,7 @@ pub mod nn;
 pub mod ops;
 pub mod optim;
 pub mod plan;
+pub mod profile;
 pub mod tensor;
 pub mod train;
 

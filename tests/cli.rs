@@ -186,6 +186,45 @@ fn bench_step_reports_time_and_memory() {
 }
 
 #[test]
+fn bench_step_profile_splits_time_by_op_family() {
+    let (code, out, err) = memfit(&[
+        "bench",
+        "step",
+        "--model",
+        "resnet18",
+        "--base-width",
+        "8",
+        "--image-size",
+        "32",
+        "--batch-size",
+        "4",
+        "--steps",
+        "1",
+        "--num-classes",
+        "10",
+        "--profile",
+    ]);
+    assert_eq!(code, 0, "stderr:\n{err}");
+    for family in [
+        "conv fwd",
+        "conv dgrad",
+        "conv wgrad",
+        "batch norm",
+        "other",
+    ] {
+        let line = out
+            .lines()
+            .find(|l| l.starts_with(&format!("| {family}")))
+            .unwrap_or_else(|| panic!("no {family} row:\n{out}"));
+        // Every convolution pass did work, so its GFLOP/s column is a number.
+        if family.starts_with("conv") {
+            let rate: f64 = line.split('|').nth(4).unwrap().trim().parse().unwrap();
+            assert!(rate > 0.0, "{line}");
+        }
+    }
+}
+
+#[test]
 fn bad_inputs_give_clear_errors() {
     assert_clean_error(
         &["train", "--memory-budget", "lots"],

@@ -214,6 +214,10 @@ struct StepArgs {
     micro_batch: Option<usize>,
     #[command(flatten)]
     precision: PrecisionArgs,
+    /// Also print the time per op family (conv forward, dgrad, wgrad, batch
+    /// norm, the rest) per step and the GFLOP/s of each convolution pass.
+    #[arg(long)]
+    profile: bool,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -640,6 +644,7 @@ fn measure_steps(a: &StepArgs, verbose: bool) -> Result<StepResult> {
     for i in 0..a.warmup + a.steps {
         if i == a.warmup {
             pool.reset_peak();
+            memfit::profile::enable(a.profile);
         }
         let t = Instant::now();
         model.zero_grad();
@@ -677,9 +682,15 @@ fn measure_steps(a: &StepArgs, verbose: bool) -> Result<StepResult> {
             times.push(secs);
         }
     }
+    let total: f64 = times.iter().sum();
     times.sort_by(f64::total_cmp);
     let median = times[times.len() / 2];
     println!("median {median:.3} s/step, {:.2} img/s", n as f64 / median);
+    if a.profile {
+        let totals = memfit::profile::totals();
+        memfit::profile::enable(false);
+        print_profile(&totals, total, a.steps);
+    }
     Ok(StepResult {
         plan: plan.to_string(),
         precision: resolved.precision,
@@ -699,6 +710,34 @@ struct StrategyRow {
     recompute_bn_relu: bool,
     /// For `auto`: this fraction of the no-plan row's measured peak.
     budget_fraction: Option<f64>,
+}
+
+/// The `--profile` table: seconds per step per op family, share of the
+/// step, and GFLOP/s where the family does FLOPs.
+fn print_profile(totals: &[(memfit::profile::Family, f64, f64)], total: f64, steps: usize) {
+    let per = |x: f64| x / steps.max(1) as f64;
+    println!("| op family | s/step | share | GFLOP/s |\n|---|---|---|---|");
+    let mut accounted = 0.0;
+    for (f, secs, flops) in totals {
+        accounted += secs;
+        let rate = if *flops > 0.0 && *secs > 0.0 {
+            format!("{:.1}", flops / secs / 1e9)
+        } else {
+            "-".into()
+        };
+        println!(
+            "| {} | {:.3} | {:.0}% | {rate} |",
+            f.name(),
+            per(*secs),
+            100.0 * secs / total.max(1e-12)
+        );
+    }
+    let rest = (total - accounted).max(0.0);
+    println!(
+        "| other (ReLU, pooling, add, loss, conversions, optimizer) | {:.3} | {:.0}% | - |",
+        per(rest),
+        100.0 * rest / total.max(1e-12)
+    );
 }
 
 fn bench_strategies(a: StrategiesArgs) -> Result<()> {
@@ -772,6 +811,7 @@ fn bench_strategies(a: StrategiesArgs) -> Result<()> {
                 precision: r.precision.to_string(),
                 recompute_bn_relu: r.recompute_bn_relu,
             },
+            profile: false,
         };
         eprintln!("running {} ...", r.name);
         match measure_steps(&step, false) {

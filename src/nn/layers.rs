@@ -11,6 +11,7 @@ use crate::nn::precision::rounded_weight;
 use crate::nn::{BnPolicy, Mode, Param, Precision, normal, uniform};
 use crate::ops::conv2d::ConvGeom;
 use crate::ops::{batchnorm as bn, conv2d, linear};
+use crate::profile::{Family, timed};
 use crate::tensor::Tensor;
 
 /// A convolution without bias. Weight layout (kh, kw, cin, cout).
@@ -231,8 +232,10 @@ impl BatchNorm {
         if from_batch {
             let mut var = pool.empty_f32(&[c], Category::Workspace, tag("var"))?;
             if computes {
-                bn::bn_batch_stats(mean.f32_mut(), var.f32_mut(), x.f32(), c);
-                bn::bn_rstd(rstd.f32_mut(), var.f32(), self.eps);
+                timed(Family::BatchNorm, 0, || {
+                    bn::bn_batch_stats(mean.f32_mut(), var.f32_mut(), x.f32(), c);
+                    bn::bn_rstd(rstd.f32_mut(), var.f32(), self.eps);
+                });
             }
             if mode == Mode::Train {
                 if computes {
@@ -274,16 +277,18 @@ impl BatchNorm {
     ) -> Result<Tensor> {
         let mut y = pool.empty_f32(x.dims(), Category::Activations, tag)?;
         if pool.computes() {
-            bn::bn_forward(
-                y.f32_mut(),
-                x.f32(),
-                stats.mean.f32(),
-                stats.rstd.f32(),
-                self.weight.value.f32(),
-                self.bias.value.f32(),
-                self.c,
-                relu,
-            );
+            timed(Family::BatchNorm, 0, || {
+                bn::bn_forward(
+                    y.f32_mut(),
+                    x.f32(),
+                    stats.mean.f32(),
+                    stats.rstd.f32(),
+                    self.weight.value.f32(),
+                    self.bias.value.f32(),
+                    self.c,
+                    relu,
+                )
+            });
             self.precision.round(y.f32_mut());
         }
         Ok(y)
@@ -303,19 +308,21 @@ impl BatchNorm {
         if !pool.computes() {
             return Ok(dx);
         }
-        bn::bn_backward(
-            dx.f32_mut(),
-            (!frozen).then(|| self.weight.grad.f32_mut()),
-            (!frozen).then(|| self.bias.grad.f32_mut()),
-            dy.f32(),
-            x.f32(),
-            stats.mean.f32(),
-            stats.rstd.f32(),
-            self.weight.value.f32(),
-            relu_out.map(|t| t.f32()),
-            self.c,
-            stats.from_batch,
-        );
+        timed(Family::BatchNorm, 0, || {
+            bn::bn_backward(
+                dx.f32_mut(),
+                (!frozen).then(|| self.weight.grad.f32_mut()),
+                (!frozen).then(|| self.bias.grad.f32_mut()),
+                dy.f32(),
+                x.f32(),
+                stats.mean.f32(),
+                stats.rstd.f32(),
+                self.weight.value.f32(),
+                relu_out.map(|t| t.f32()),
+                self.c,
+                stats.from_batch,
+            )
+        });
         self.precision.round(dx.f32_mut());
         Ok(dx)
     }

@@ -11,6 +11,7 @@ use rayon::prelude::*;
 
 use crate::device::cpu::{Accumulate, MatRef, gemm_f32};
 use crate::error::{Error, Result};
+use crate::profile::{Family, timed};
 
 /// Target floats per im2col tile (4 MiB): large enough for GEMM efficiency,
 /// small enough to stay in cache-friendly territory and cheap to hold.
@@ -172,6 +173,12 @@ fn check_lens(g: &ConvGeom, y: usize, x: usize, w: usize) {
 /// y (n, oh, ow, cout) = conv(x (n, h, w, cin), w (kh, kw, cin, cout)).
 /// `ws` holds at least `g.forward_workspace_len()` floats.
 pub fn conv2d_forward(y: &mut [f32], x: &[f32], w: &[f32], g: &ConvGeom, ws: &mut [f32]) {
+    timed(Family::ConvForward, 2 * g.macs() as u64, || {
+        conv2d_forward_untimed(y, x, w, g, ws)
+    })
+}
+
+fn conv2d_forward_untimed(y: &mut [f32], x: &[f32], w: &[f32], g: &ConvGeom, ws: &mut [f32]) {
     check_lens(g, y.len(), x.len(), w.len());
     let wm = MatRef::row_major(w, g.k(), g.cout);
     if g.is_pointwise() {
@@ -212,15 +219,20 @@ pub fn conv2d_backward(
     if g.is_pointwise() {
         let rows = g.rows();
         let dym = MatRef::row_major(dy, rows, cout);
-        gemm_f32(
-            dw,
-            MatRef::row_major(x, rows, g.cin).t(),
-            dym,
-            Accumulate::Yes,
-        );
+        let flops = 2 * g.macs() as u64;
+        timed(Family::ConvWgrad, flops, || {
+            gemm_f32(
+                dw,
+                MatRef::row_major(x, rows, g.cin).t(),
+                dym,
+                Accumulate::Yes,
+            )
+        });
         if let Some(dx) = dx {
             assert_eq!(dx.len(), x.len(), "conv2d_backward: dx length");
-            gemm_f32(dx, dym, w_t, Accumulate::Yes);
+            timed(Family::ConvDgrad, flops, || {
+                gemm_f32(dx, dym, w_t, Accumulate::Yes)
+            });
         }
         return;
     }
@@ -234,12 +246,17 @@ pub fn conv2d_backward(
     for row0 in (0..g.rows()).step_by(tile) {
         let rows = tile.min(g.rows() - row0);
         let dy_tile = MatRef::row_major(&dy[row0 * cout..(row0 + rows) * cout], rows, cout);
-        im2col_tile(col, x, g, row0, rows);
-        let col_t = MatRef::row_major(&col[..rows * k], rows, k).t();
-        gemm_f32(dw, col_t, dy_tile, Accumulate::Yes);
+        let flops = 2 * (rows * k * cout) as u64;
+        timed(Family::ConvWgrad, flops, || {
+            im2col_tile(col, x, g, row0, rows);
+            let col_t = MatRef::row_major(&col[..rows * k], rows, k).t();
+            gemm_f32(dw, col_t, dy_tile, Accumulate::Yes);
+        });
         if let Some(dx) = dx.as_deref_mut() {
-            gemm_f32(&mut dcol[..rows * k], dy_tile, w_t, Accumulate::No);
-            col2im_tile(dx, dcol, g, row0, rows);
+            timed(Family::ConvDgrad, flops, || {
+                gemm_f32(&mut dcol[..rows * k], dy_tile, w_t, Accumulate::No);
+                col2im_tile(dx, dcol, g, row0, rows);
+            });
         }
     }
 }
