@@ -11,31 +11,58 @@ use rayon::prelude::*;
 
 use crate::ops::REDUCE_CHUNK_ROWS;
 
-/// Per-channel sums of `f(row_values, acc)` over fixed chunks of rows,
-/// combined in order: deterministic whatever the number of threads.
-fn channel_sums<const K: usize>(
+/// Rows summed in f32 before being added to the f64 chunk totals: short
+/// enough that f32 rounding stays far below the tests' tolerances, long
+/// enough that the f64 flush costs little next to the vectorised f32 work.
+const F32_RUN_ROWS: usize = 32;
+
+/// Per-channel sums of two per-element quantities over fixed chunks of rows.
+/// `row_fn(r, s0, s1)` adds row `r`'s contributions to the f32 accumulators
+/// `s0`, `s1` (one entry per channel, so the loop vectorises across
+/// channels); runs of [`F32_RUN_ROWS`] rows are flushed into f64 totals per
+/// chunk, and chunks are combined in order: the result is the same whatever
+/// the number of threads.
+fn channel_sums2(
     rows: usize,
     c: usize,
-    chunk_fn: impl Fn(std::ops::Range<usize>, &mut [[f64; K]]) + Sync,
-) -> Vec<[f64; K]> {
-    let chunks: Vec<Vec<[f64; K]>> = (0..rows.div_ceil(REDUCE_CHUNK_ROWS))
+    row_fn: impl Fn(usize, &mut [f32], &mut [f32]) + Sync,
+) -> (Vec<f64>, Vec<f64>) {
+    let chunks: Vec<(Vec<f64>, Vec<f64>)> = (0..rows.div_ceil(REDUCE_CHUNK_ROWS))
         .into_par_iter()
         .map(|i| {
-            let mut acc = vec![[0.0; K]; c];
+            let (mut t0, mut t1) = (vec![0.0f64; c], vec![0.0f64; c]);
+            let (mut s0, mut s1) = (vec![0.0f32; c], vec![0.0f32; c]);
             let r0 = i * REDUCE_CHUNK_ROWS;
-            chunk_fn(r0..(r0 + REDUCE_CHUNK_ROWS).min(rows), &mut acc);
-            acc
+            let r1 = (r0 + REDUCE_CHUNK_ROWS).min(rows);
+            let mut run = r0;
+            while run < r1 {
+                let end = (run + F32_RUN_ROWS).min(r1);
+                s0.fill(0.0);
+                s1.fill(0.0);
+                for r in run..end {
+                    row_fn(r, &mut s0, &mut s1);
+                }
+                for (t, &v) in t0.iter_mut().zip(&s0) {
+                    *t += v as f64;
+                }
+                for (t, &v) in t1.iter_mut().zip(&s1) {
+                    *t += v as f64;
+                }
+                run = end;
+            }
+            (t0, t1)
         })
         .collect();
-    let mut total = vec![[0.0; K]; c];
-    for chunk in chunks {
-        for (t, a) in total.iter_mut().zip(chunk) {
-            for k in 0..K {
-                t[k] += a[k];
-            }
+    let (mut total0, mut total1) = (vec![0.0; c], vec![0.0; c]);
+    for (c0, c1) in chunks {
+        for (t, v) in total0.iter_mut().zip(c0) {
+            *t += v;
+        }
+        for (t, v) in total1.iter_mut().zip(c1) {
+            *t += v;
         }
     }
-    total
+    (total0, total1)
 }
 
 /// Batch mean and biased variance per channel of `x` (rows, c).
@@ -43,20 +70,19 @@ pub fn bn_batch_stats(mean: &mut [f32], var: &mut [f32], x: &[f32], c: usize) {
     let rows = x.len() / c;
     // Shifted sums (by the first row) keep the variance accurate when the
     // mean is large relative to the spread.
-    let shift: Vec<f32> = x[..c].to_vec();
-    let sums = channel_sums::<2>(rows, c, |range, acc| {
-        for r in range {
-            for ((a, &v), &s) in acc.iter_mut().zip(&x[r * c..(r + 1) * c]).zip(&shift) {
-                let d = (v - s) as f64;
-                a[0] += d;
-                a[1] += d * d;
-            }
+    let shift: &[f32] = &x[..c];
+    let (sum, sum_sq) = channel_sums2(rows, c, |r, s0, s1| {
+        let xr = &x[r * c..(r + 1) * c];
+        for (((a, b), &v), &sh) in s0.iter_mut().zip(s1.iter_mut()).zip(xr).zip(shift) {
+            let d = v - sh;
+            *a += d;
+            *b += d * d;
         }
     });
     for ch in 0..c {
-        let m = sums[ch][0] / rows as f64;
+        let m = sum[ch] / rows as f64;
         mean[ch] = (shift[ch] as f64 + m) as f32;
-        var[ch] = (sums[ch][1] / rows as f64 - m * m).max(0.0) as f32;
+        var[ch] = (sum_sq[ch] / rows as f64 - m * m).max(0.0) as f32;
     }
 }
 
@@ -104,16 +130,25 @@ pub fn bn_forward(
     // Fold into one multiply-add per element.
     let scale: Vec<f32> = gamma.iter().zip(rstd).map(|(g, r)| g * r).collect();
     let shift: Vec<f32> = (0..c).map(|ch| beta[ch] - mean[ch] * scale[ch]).collect();
-    y.par_chunks_mut(REDUCE_CHUNK_ROWS * c)
-        .zip(x.par_chunks(REDUCE_CHUNK_ROWS * c))
-        .for_each(|(yc, xc)| {
-            for (yr, xr) in yc.chunks_exact_mut(c).zip(xc.chunks_exact(c)) {
-                for ch in 0..c {
-                    let v = xr[ch] * scale[ch] + shift[ch];
-                    yr[ch] = if relu { v.max(0.0) } else { v };
+    // The branch on `relu` sits outside the element loop so each loop is a
+    // plain vectorised multiply-add (and max).
+    let rows_of = |yc: &mut [f32], xc: &[f32]| {
+        for (yr, xr) in yc.chunks_exact_mut(c).zip(xc.chunks_exact(c)) {
+            let lanes = yr.iter_mut().zip(xr).zip(scale.iter().zip(&shift));
+            if relu {
+                for ((o, &v), (&a, &b)) in lanes {
+                    *o = (v * a + b).max(0.0);
+                }
+            } else {
+                for ((o, &v), (&a, &b)) in lanes {
+                    *o = v * a + b;
                 }
             }
-        });
+        }
+    };
+    y.par_chunks_mut(REDUCE_CHUNK_ROWS * c)
+        .zip(x.par_chunks(REDUCE_CHUNK_ROWS * c))
+        .for_each(|(yc, xc)| rows_of(yc, xc));
 }
 
 /// Gradients of [`bn_forward`]. `dx` is overwritten; `dgamma`, `dbeta`
@@ -124,6 +159,9 @@ pub fn bn_forward(
 ///   constants (eval, frozen).
 /// * `relu_out`: the fused ReLU's output; the upstream gradient passes
 ///   where it is > 0.
+///
+/// Two passes over the data: one for the per-channel sums Σg and Σg·x̂,
+/// one writing dx as a single multiply-add chain per element.
 #[allow(clippy::too_many_arguments)]
 pub fn bn_backward(
     dx: &mut [f32],
@@ -139,52 +177,85 @@ pub fn bn_backward(
     batch_stats: bool,
 ) {
     let rows = x.len() / c;
-    let masked = |r: usize, ch: usize| -> f32 {
-        let i = r * c + ch;
+    // g = dy where the fused ReLU passed (its output > 0), else 0. The
+    // branch on `relu_out` sits outside the element loops so each one
+    // vectorises.
+    let gate = |d: f32, o: f32| if o > 0.0 { d } else { 0.0 };
+    // Σ g and Σ g·(x - mean); x̂ = (x - mean)·rstd is applied per channel after.
+    let (sum_g, sum_gxc) = channel_sums2(rows, c, |r, s0, s1| {
+        let range = r * c..(r + 1) * c;
+        let lanes = s0
+            .iter_mut()
+            .zip(s1.iter_mut())
+            .zip(dy[range.clone()].iter().zip(&x[range.clone()]))
+            .zip(mean);
         match relu_out {
-            Some(o) if o[i] <= 0.0 => 0.0,
-            _ => dy[i],
-        }
-    };
-    // sums[ch] = [Σ g, Σ g·xhat]
-    let sums = channel_sums::<2>(rows, c, |range, acc| {
-        for r in range {
-            for ch in 0..c {
-                let g = masked(r, ch) as f64;
-                let xhat = ((x[r * c + ch] - mean[ch]) * rstd[ch]) as f64;
-                acc[ch][0] += g;
-                acc[ch][1] += g * xhat;
+            Some(o) => {
+                for ((((a, b), (&d, &xv)), &m), &ov) in lanes.zip(&o[range]) {
+                    let gv = gate(d, ov);
+                    *a += gv;
+                    *b += gv * (xv - m);
+                }
+            }
+            None => {
+                for (((a, b), (&d, &xv)), &m) in lanes {
+                    *a += d;
+                    *b += d * (xv - m);
+                }
             }
         }
     });
+    let sum_gx: Vec<f64> = sum_gxc
+        .iter()
+        .zip(rstd)
+        .map(|(&s, &r)| s * r as f64)
+        .collect();
     if let Some(db) = dbeta {
-        for ch in 0..c {
-            db[ch] += sums[ch][0] as f32;
+        for (d, &s) in db.iter_mut().zip(&sum_g) {
+            *d += s as f32;
         }
     }
     if let Some(dg) = dgamma {
-        for ch in 0..c {
-            dg[ch] += sums[ch][1] as f32;
+        for (d, &s) in dg.iter_mut().zip(&sum_gx) {
+            *d += s as f32;
         }
     }
-    let scale: Vec<f32> = (0..c).map(|ch| gamma[ch] * rstd[ch]).collect();
-    // Training: dx = scale·(g - mean(g) - xhat·mean(g·xhat)).
-    let (mean_g, mean_gx): (Vec<f32>, Vec<f32>) = if batch_stats {
-        sums.iter()
-            .map(|s| ((s[0] / rows as f64) as f32, (s[1] / rows as f64) as f32))
-            .unzip()
-    } else {
-        (vec![0.0; c], vec![0.0; c])
-    };
+    // Training: dx = scale·(g - mean(g) - x̂·mean(g·x̂)), rewritten as
+    // dx = scale·g + coef·(x - mean) + bias with per-channel constants.
+    let mut scale = vec![0.0f32; c];
+    let mut coef = vec![0.0f32; c];
+    let mut bias = vec![0.0f32; c];
+    for ch in 0..c {
+        scale[ch] = gamma[ch] * rstd[ch];
+        if batch_stats {
+            let mean_g = (sum_g[ch] / rows as f64) as f32;
+            let mean_gx = (sum_gx[ch] / rows as f64) as f32;
+            coef[ch] = -scale[ch] * rstd[ch] * mean_gx;
+            bias[ch] = -scale[ch] * mean_g;
+        }
+    }
     dx.par_chunks_mut(REDUCE_CHUNK_ROWS * c)
         .enumerate()
         .for_each(|(i, dxc)| {
             let r0 = i * REDUCE_CHUNK_ROWS;
             for (j, dxr) in dxc.chunks_exact_mut(c).enumerate() {
-                let r = r0 + j;
-                for ch in 0..c {
-                    let xhat = (x[r * c + ch] - mean[ch]) * rstd[ch];
-                    dxr[ch] = scale[ch] * (masked(r, ch) - mean_g[ch] - xhat * mean_gx[ch]);
+                let range = (r0 + j) * c..(r0 + j + 1) * c;
+                let lanes = dxr
+                    .iter_mut()
+                    .zip(dy[range.clone()].iter().zip(&x[range.clone()]))
+                    .zip(scale.iter().zip(&coef).zip(bias.iter().zip(mean)));
+                match relu_out {
+                    Some(o) => {
+                        for (((out, (&d, &xv)), ((&s, &k), (&b, &m))), &ov) in lanes.zip(&o[range])
+                        {
+                            *out = s * gate(d, ov) + k * (xv - m) + b;
+                        }
+                    }
+                    None => {
+                        for ((out, (&d, &xv)), ((&s, &k), (&b, &m))) in lanes {
+                            *out = s * d + k * (xv - m) + b;
+                        }
+                    }
                 }
             }
         });

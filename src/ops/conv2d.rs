@@ -17,6 +17,10 @@ use crate::profile::{Family, timed};
 /// small enough to stay in cache-friendly territory and cheap to hold.
 const TILE_FLOATS: usize = 1 << 20;
 
+/// Rows from which a pointwise weight gradient is split in two (see
+/// [`ConvGeom::splits_wgrad`]).
+const WGRAD_SPLIT_MIN_ROWS: usize = 4096;
+
 /// Everything that determines a convolution's shapes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ConvGeom {
@@ -100,10 +104,25 @@ impl ConvGeom {
         }
     }
 
-    /// f32 elements of workspace `conv2d_backward` needs (patches and their
-    /// gradient, one tile each).
+    /// f32 elements of workspace `conv2d_backward` needs: patches and their
+    /// gradient, one tile each; for a pointwise convolution whose weight
+    /// gradient is split over the batch, the second half's partial sum.
     pub fn backward_workspace_len(&self) -> usize {
-        2 * self.forward_workspace_len()
+        if self.splits_wgrad() {
+            self.weight_len()
+        } else {
+            2 * self.forward_workspace_len()
+        }
+    }
+
+    /// Whether the pointwise weight gradient `xᵀ·dy` is computed as two
+    /// halves over the rows, one per thread. Its output (cin, cout) is small
+    /// and its inner dimension (every pixel of the batch) long, a shape the
+    /// GEMM only threads over the output, so splitting the inner dimension
+    /// is what keeps both cores busy. The split point depends on the shape
+    /// only, so the result does not depend on the thread count.
+    pub fn splits_wgrad(&self) -> bool {
+        self.is_pointwise() && self.rows() >= WGRAD_SPLIT_MIN_ROWS
     }
 
     /// Multiply-adds of the forward pass (the dgrad and wgrad are the same).
@@ -137,31 +156,60 @@ fn im2col_tile(col: &mut [f32], x: &[f32], g: &ConvGeom, row0: usize, rows: usiz
         });
 }
 
-/// Scatter-add patch gradients `dcol` (rows, K) back into `dx`. Patches
-/// overlap, so this runs sequentially.
+/// Add patch gradients `dcol` (rows, K) of output rows `row0..row0+rows`
+/// back into `dx`. Patches overlap, so rather than scatter from patches this
+/// gathers per input line (n, iy): each thread owns whole lines of `dx`, and
+/// every element sums its contributions in the same (ky, kx) order whatever
+/// the thread count.
 fn col2im_tile(dx: &mut [f32], dcol: &[f32], g: &ConvGeom, row0: usize, rows: usize) {
-    let (oh, ow, k, cin) = (g.oh(), g.ow(), g.k(), g.cin);
-    for (i, patch) in dcol[..rows * k].chunks_exact(k).enumerate() {
-        let r = row0 + i;
-        let (n, oy, ox) = (r / (oh * ow), (r / ow) % oh, r % ow);
-        for ky in 0..g.kh {
-            let iy = (oy * g.stride + ky) as isize - g.pad as isize;
-            if iy < 0 || iy >= g.h as isize {
-                continue;
-            }
-            for kx in 0..g.kw {
-                let ix = (ox * g.stride + kx) as isize - g.pad as isize;
-                if ix < 0 || ix >= g.w as isize {
-                    continue;
-                }
-                let dst = ((n * g.h + iy as usize) * g.w + ix as usize) * cin;
-                let src = &patch[(ky * g.kw + kx) * cin..][..cin];
-                for (d, s) in dx[dst..dst + cin].iter_mut().zip(src) {
-                    *d += s;
-                }
-            }
-        }
+    if rows == 0 {
+        return;
     }
+    let (oh, ow, k, cin) = (g.oh(), g.ow(), g.k(), g.cin);
+    let (s, pad) = (g.stride, g.pad);
+    let row1 = row0 + rows;
+    // Input lines (n·h + iy) the tile's patches can touch.
+    let line_of = |r: usize, dy: isize| {
+        let (n, oy) = (r / (oh * ow), (r / ow) % oh);
+        let iy = (oy * s) as isize - pad as isize + dy;
+        n * g.h + iy.clamp(0, g.h as isize - 1) as usize
+    };
+    let first = line_of(row0, 0);
+    let last = line_of(row1 - 1, g.kh as isize - 1);
+    let line_len = g.w * cin;
+    // The output index `o` (oy or ox) that kernel offset `kk` maps input
+    // index `i` to, if any.
+    let out_index = |i: usize, kk: usize, limit: usize| -> Option<usize> {
+        let t = (i + pad).checked_sub(kk)?;
+        (t % s == 0 && t / s < limit).then_some(t / s)
+    };
+    dx[first * line_len..(last + 1) * line_len]
+        .par_chunks_mut(line_len)
+        .enumerate()
+        .for_each(|(j, line)| {
+            let (n, iy) = ((first + j) / g.h, (first + j) % g.h);
+            for ky in 0..g.kh {
+                let Some(oy) = out_index(iy, ky, oh) else {
+                    continue;
+                };
+                for ix in 0..g.w {
+                    let dst = &mut line[ix * cin..(ix + 1) * cin];
+                    for kx in 0..g.kw {
+                        let Some(ox) = out_index(ix, kx, ow) else {
+                            continue;
+                        };
+                        let r = (n * oh + oy) * ow + ox;
+                        if r < row0 || r >= row1 {
+                            continue;
+                        }
+                        let src = &dcol[(r - row0) * k + (ky * g.kw + kx) * cin..][..cin];
+                        for (d, v) in dst.iter_mut().zip(src) {
+                            *d += v;
+                        }
+                    }
+                }
+            }
+        });
 }
 
 fn check_lens(g: &ConvGeom, y: usize, x: usize, w: usize) {
@@ -221,12 +269,29 @@ pub fn conv2d_backward(
         let dym = MatRef::row_major(dy, rows, cout);
         let flops = 2 * g.macs() as u64;
         timed(Family::ConvWgrad, flops, || {
-            gemm_f32(
-                dw,
-                MatRef::row_major(x, rows, g.cin).t(),
-                dym,
-                Accumulate::Yes,
-            )
+            if g.splits_wgrad() {
+                let half = rows / 2;
+                let (x0, x1) = x.split_at(half * g.cin);
+                let (dy0, dy1) = dy.split_at(half * cout);
+                let part = &mut ws[..dw.len()];
+                rayon::join(
+                    || {
+                        let a = MatRef::row_major(x0, half, g.cin).t();
+                        gemm_f32(dw, a, MatRef::row_major(dy0, half, cout), Accumulate::Yes)
+                    },
+                    || {
+                        let a = MatRef::row_major(x1, rows - half, g.cin).t();
+                        let b = MatRef::row_major(dy1, rows - half, cout);
+                        gemm_f32(part, a, b, Accumulate::No)
+                    },
+                );
+                for (d, p) in dw.iter_mut().zip(part.iter()) {
+                    *d += p;
+                }
+            } else {
+                let a = MatRef::row_major(x, rows, g.cin).t();
+                gemm_f32(dw, a, dym, Accumulate::Yes)
+            }
         });
         if let Some(dx) = dx {
             assert_eq!(dx.len(), x.len(), "conv2d_backward: dx length");
@@ -486,39 +551,92 @@ mod tests {
 
     #[test]
     fn tiles_cover_large_row_counts() {
-        // K = 7*7*64 makes tile_rows 334, so 2*20*20 = 800 rows take 3 tiles.
+        // Several tiles each, with stride and padding, so the gathered col2im
+        // must stitch patches across tile boundaries: K = 7*7*64 makes
+        // tile_rows 334 (800 rows, 3 tiles; stride 2: 200 rows, 1 tile);
+        // K = 3*3*512 makes it 227 (stride 2 on 32x32: 512 rows, 3 tiles).
+        for (cin, kk, stride, pad, hw) in [
+            (64, 7, 1, 3, 20),
+            (64, 7, 2, 3, 20),
+            (512, 3, 2, 1, 32),
+            (512, 3, 1, 1, 12),
+        ] {
+            let g = ConvGeom {
+                n: 2,
+                h: hw,
+                w: hw,
+                cin,
+                cout: 3,
+                kh: kk,
+                kw: kk,
+                stride,
+                pad,
+            };
+            let mut r = rng(2);
+            let x = rand_vec(&mut r, g.input_len());
+            let w = rand_vec(&mut r, g.weight_len());
+            let dy = rand_vec(&mut r, g.output_len());
+            let mut ws = vec![0.0; g.backward_workspace_len()];
+            let mut y = vec![0.0; g.output_len()];
+            conv2d_forward(&mut y, &x, &w, &g, &mut ws);
+            assert_close(
+                "tiled y",
+                &y,
+                &conv2d_ref(&to_f64(&x), &to_f64(&w), &g),
+                1e-4,
+                1e-5,
+            );
+            // dx accumulates: start from ones.
+            let mut dx = vec![1.0; x.len()];
+            let mut dw = vec![0.0; w.len()];
+            conv2d_backward(Some(&mut dx), &mut dw, &dy, &x, &w, &g, &mut ws);
+            let (dx_ref, dw_ref) = conv2d_backward_ref(&to_f64(&dy), &to_f64(&x), &to_f64(&w), &g);
+            let dx_ref: Vec<f64> = dx_ref.iter().map(|v| v + 1.0).collect();
+            assert_close(&format!("tiled dx {g:?}"), &dx, &dx_ref, 1e-4, 1e-5);
+            assert_close(&format!("tiled dw {g:?}"), &dw, &dw_ref, 1e-3, 1e-5);
+        }
+        let big = ConvGeom {
+            n: 2,
+            h: 32,
+            w: 32,
+            cin: 512,
+            cout: 3,
+            kh: 3,
+            kw: 3,
+            stride: 2,
+            pad: 1,
+        };
+        assert!(big.rows() > 2 * big.tile_rows());
+    }
+
+    #[test]
+    fn split_pointwise_weight_gradient_matches_reference() {
+        // 2*48*49 = 4704 rows: an odd split (2352 + 2352) past the threshold.
         let g = ConvGeom {
             n: 2,
-            h: 20,
-            w: 20,
-            cin: 64,
-            cout: 3,
-            kh: 7,
-            kw: 7,
+            h: 48,
+            w: 49,
+            cin: 8,
+            cout: 5,
+            kh: 1,
+            kw: 1,
             stride: 1,
-            pad: 3,
+            pad: 0,
         };
-        assert!(g.tile_rows() < g.rows());
-        let mut r = rng(2);
+        assert!(g.splits_wgrad());
+        assert_eq!(g.backward_workspace_len(), g.weight_len());
+        let mut r = rng(4);
         let x = rand_vec(&mut r, g.input_len());
         let w = rand_vec(&mut r, g.weight_len());
         let dy = rand_vec(&mut r, g.output_len());
-        let mut ws = vec![0.0; g.backward_workspace_len()];
-        let mut y = vec![0.0; g.output_len()];
-        conv2d_forward(&mut y, &x, &w, &g, &mut ws);
-        assert_close(
-            "tiled y",
-            &y,
-            &conv2d_ref(&to_f64(&x), &to_f64(&w), &g),
-            1e-4,
-            1e-5,
-        );
-        let mut dx = vec![0.0; x.len()];
-        let mut dw = vec![0.0; w.len()];
+        // Garbage in the workspace must not leak into the result.
+        let mut ws = vec![f32::NAN; g.backward_workspace_len()];
+        let (mut dx, mut dw) = (vec![0.0; x.len()], vec![0.5; w.len()]);
         conv2d_backward(Some(&mut dx), &mut dw, &dy, &x, &w, &g, &mut ws);
         let (dx_ref, dw_ref) = conv2d_backward_ref(&to_f64(&dy), &to_f64(&x), &to_f64(&w), &g);
-        assert_close("tiled dx", &dx, &dx_ref, 1e-4, 1e-5);
-        assert_close("tiled dw", &dw, &dw_ref, 1e-3, 1e-5);
+        let dw_ref: Vec<f64> = dw_ref.iter().map(|v| v + 0.5).collect();
+        assert_close("split dw", &dw, &dw_ref, 1e-3, 1e-5);
+        assert_close("split dx", &dx, &dx_ref, 1e-4, 1e-5);
     }
 
     #[test]
