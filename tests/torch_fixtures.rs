@@ -2,6 +2,7 @@
 //! made by `tools/make_fixtures.py` (torch 2.15.0, torchvision 0.29.2; see
 //! tests/fixtures/README.md). Tensors there are NCHW / OIHW; we convert.
 
+use memfit::device::cpu::GemmMath;
 use memfit::exec::{LossOptions, Plan, forward_backward};
 use memfit::io::{TensorFile, load_state_dict, nchw_to_nhwc, nhwc_to_nchw};
 use memfit::memory::{Category, Pool, Tag};
@@ -59,12 +60,21 @@ fn conv_case(name: &str, stride: usize, pad: usize) {
     };
     let mut work = vec![0.0; g.backward_workspace_len()];
     let mut y = vec![0.0; g.output_len()];
-    conv2d_forward(&mut y, &x, &weight, &g, &mut work);
+    conv2d_forward(&mut y, &x, &weight, &g, &mut work, GemmMath::F32);
     let (y_ref, _) = nchw(&f, "y");
     check(&format!("{name} y"), &y, &y_ref, 1e-5, 1e-5);
     let (dy, _) = nchw(&f, "dy");
     let (mut dx, mut dw) = (vec![0.0; x.len()], vec![0.0; weight.len()]);
-    conv2d_backward(Some(&mut dx), &mut dw, &dy, &x, &weight, &g, &mut work);
+    conv2d_backward(
+        Some(&mut dx),
+        &mut dw,
+        &dy,
+        &x,
+        &weight,
+        &g,
+        &mut work,
+        GemmMath::F32,
+    );
     check(&format!("{name} dx"), &dx, &nchw(&f, "dx").0, 1e-5, 1e-5);
     check(
         &format!("{name} dw"),

@@ -96,6 +96,7 @@ impl Conv {
                 w_low.as_ref().unwrap_or(&self.weight.value).f32(),
                 &g,
                 ws.f32_mut(),
+                self.precision.gemm_math(),
             );
         }
         self.precision.round_tensor(pool, &mut y);
@@ -134,6 +135,7 @@ impl Conv {
                 w_low.as_ref().unwrap_or(&self.weight.value).f32(),
                 &g,
                 ws.f32_mut(),
+                self.precision.gemm_math(),
             );
             if let Some(dx) = dx {
                 self.precision.round(dx.f32_mut());

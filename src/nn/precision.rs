@@ -20,6 +20,7 @@ use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
+use crate::device::cpu::{GemmMath, bf16_bits_to_f32, f32_to_bf16_bits};
 use crate::error::{Error, Result};
 use crate::memory::{Category, Pool, Tag};
 use crate::tensor::{DType, Tensor};
@@ -38,6 +39,15 @@ pub enum Precision {
 }
 
 impl Precision {
+    /// The GEMM arithmetic for operands rounded to this type: bf16 has a
+    /// native kernel; f16 products are exact in f32, so it uses the f32 GEMM.
+    pub fn gemm_math(self) -> GemmMath {
+        match self {
+            Precision::BF16 => GemmMath::Bf16,
+            Precision::F32 | Precision::F16 => GemmMath::F32,
+        }
+    }
+
     pub const ALL: [Precision; 3] = [Precision::F32, Precision::BF16, Precision::F16];
 
     /// Storage type of saved activations.
@@ -73,7 +83,7 @@ impl Precision {
             Precision::F32 => {}
             Precision::BF16 => v.par_chunks_mut(CHUNK).for_each(|c| {
                 for x in c {
-                    *x = bf16::from_f32(*x).to_f32();
+                    *x = bf16_bits_to_f32(f32_to_bf16_bits(*x));
                 }
             }),
             // The slice conversions use F16C when the CPU has it.
@@ -176,7 +186,7 @@ pub fn store(pool: &Pool, t: Tensor, p: Precision) -> Result<Tensor> {
                 .zip(src.par_chunks(CHUNK))
                 .for_each(|(d, s)| {
                     for (d, &s) in d.iter_mut().zip(s) {
-                        *d = bf16::from_f32(s);
+                        *d = bf16::from_bits(f32_to_bf16_bits(s));
                     }
                 }),
             Precision::F16 => out
@@ -211,7 +221,7 @@ fn widen(dst: &mut [f32], src: &Tensor) {
             .zip(src.bf16().par_chunks(CHUNK))
             .for_each(|(d, s)| {
                 for (d, s) in d.iter_mut().zip(s) {
-                    *d = s.to_f32();
+                    *d = bf16_bits_to_f32(s.to_bits());
                 }
             }),
         DType::F16 => dst
@@ -266,6 +276,38 @@ mod tests {
         let mut big = [70000.0f32];
         Precision::BF16.round(&mut big);
         assert_eq!(big[0], 70144.0);
+    }
+
+    #[test]
+    fn bit_rounding_equals_half_on_every_class_of_value() {
+        let mut vals = vec![
+            0.0f32,
+            -0.0,
+            f32::MIN_POSITIVE,
+            1e-40,
+            f32::MAX,
+            -f32::MAX,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -f32::NAN,
+        ];
+        // A sweep of bit patterns, ties included (low 16 bits 0x8000).
+        vals.extend((0..20_000u32).map(|i| f32::from_bits(i.wrapping_mul(2_654_435_761))));
+        vals.extend((0..1000u32).map(|i| f32::from_bits(0x3f80_8000 + (i << 16))));
+        for &x in &vals {
+            let want = bf16::from_f32(x).to_bits();
+            let got = f32_to_bf16_bits(x);
+            if x.is_nan() {
+                assert!(bf16_bits_to_f32(got).is_nan(), "{x}");
+            } else {
+                assert_eq!(got, want, "{x:e} ({:#x})", x.to_bits());
+            }
+            assert_eq!(
+                bf16_bits_to_f32(want).to_bits(),
+                bf16::from_bits(want).to_f32().to_bits()
+            );
+        }
     }
 
     #[test]

@@ -9,7 +9,7 @@
 
 use rayon::prelude::*;
 
-use crate::device::cpu::{Accumulate, MatRef, gemm_f32};
+use crate::device::cpu::{Accumulate, GemmMath, MatRef, gemm};
 use crate::error::{Error, Result};
 use crate::profile::{Family, timed};
 
@@ -219,18 +219,39 @@ fn check_lens(g: &ConvGeom, y: usize, x: usize, w: usize) {
 }
 
 /// y (n, oh, ow, cout) = conv(x (n, h, w, cin), w (kh, kw, cin, cout)).
-/// `ws` holds at least `g.forward_workspace_len()` floats.
-pub fn conv2d_forward(y: &mut [f32], x: &[f32], w: &[f32], g: &ConvGeom, ws: &mut [f32]) {
+/// `ws` holds at least `g.forward_workspace_len()` floats. `math` is the
+/// GEMM arithmetic (bf16 needs bf16-representable `x` and `w`).
+pub fn conv2d_forward(
+    y: &mut [f32],
+    x: &[f32],
+    w: &[f32],
+    g: &ConvGeom,
+    ws: &mut [f32],
+    math: GemmMath,
+) {
     timed(Family::ConvForward, 2 * g.macs() as u64, || {
-        conv2d_forward_untimed(y, x, w, g, ws)
+        conv2d_forward_untimed(y, x, w, g, ws, math)
     })
 }
 
-fn conv2d_forward_untimed(y: &mut [f32], x: &[f32], w: &[f32], g: &ConvGeom, ws: &mut [f32]) {
+fn conv2d_forward_untimed(
+    y: &mut [f32],
+    x: &[f32],
+    w: &[f32],
+    g: &ConvGeom,
+    ws: &mut [f32],
+    math: GemmMath,
+) {
     check_lens(g, y.len(), x.len(), w.len());
     let wm = MatRef::row_major(w, g.k(), g.cout);
     if g.is_pointwise() {
-        gemm_f32(y, MatRef::row_major(x, g.rows(), g.cin), wm, Accumulate::No);
+        gemm(
+            y,
+            MatRef::row_major(x, g.rows(), g.cin),
+            wm,
+            Accumulate::No,
+            math,
+        );
         return;
     }
     let (k, tile) = (g.k(), g.tile_rows());
@@ -239,11 +260,12 @@ fn conv2d_forward_untimed(y: &mut [f32], x: &[f32], w: &[f32], g: &ConvGeom, ws:
         let rows = tile.min(g.rows() - row0);
         im2col_tile(ws, x, g, row0, rows);
         let col = MatRef::row_major(&ws[..rows * k], rows, k);
-        gemm_f32(
+        gemm(
             &mut y[row0 * g.cout..(row0 + rows) * g.cout],
             col,
             wm,
             Accumulate::No,
+            math,
         );
     }
 }
@@ -251,6 +273,10 @@ fn conv2d_forward_untimed(y: &mut [f32], x: &[f32], w: &[f32], g: &ConvGeom, ws:
 /// Gradients of a convolution. `dw += xᵀ-patches · dy`; when `dx` is given,
 /// `dx += dy · wᵀ` scattered back (it accumulates, for residual fan-in).
 /// `ws` holds at least `g.backward_workspace_len()` floats.
+///
+/// `math` is the GEMM arithmetic of both gradients (bf16 needs
+/// bf16-representable `dy`, `x` and `w`).
+#[allow(clippy::too_many_arguments)]
 pub fn conv2d_backward(
     dx: Option<&mut [f32]>,
     dw: &mut [f32],
@@ -259,6 +285,7 @@ pub fn conv2d_backward(
     w: &[f32],
     g: &ConvGeom,
     ws: &mut [f32],
+    math: GemmMath,
 ) {
     check_lens(g, dy.len(), x.len(), w.len());
     assert_eq!(dw.len(), w.len(), "conv2d_backward: dw length");
@@ -277,12 +304,18 @@ pub fn conv2d_backward(
                 rayon::join(
                     || {
                         let a = MatRef::row_major(x0, half, g.cin).t();
-                        gemm_f32(dw, a, MatRef::row_major(dy0, half, cout), Accumulate::Yes)
+                        gemm(
+                            dw,
+                            a,
+                            MatRef::row_major(dy0, half, cout),
+                            Accumulate::Yes,
+                            math,
+                        )
                     },
                     || {
                         let a = MatRef::row_major(x1, rows - half, g.cin).t();
                         let b = MatRef::row_major(dy1, rows - half, cout);
-                        gemm_f32(part, a, b, Accumulate::No)
+                        gemm(part, a, b, Accumulate::No, math)
                     },
                 );
                 for (d, p) in dw.iter_mut().zip(part.iter()) {
@@ -290,13 +323,13 @@ pub fn conv2d_backward(
                 }
             } else {
                 let a = MatRef::row_major(x, rows, g.cin).t();
-                gemm_f32(dw, a, dym, Accumulate::Yes)
+                gemm(dw, a, dym, Accumulate::Yes, math)
             }
         });
         if let Some(dx) = dx {
             assert_eq!(dx.len(), x.len(), "conv2d_backward: dx length");
             timed(Family::ConvDgrad, flops, || {
-                gemm_f32(dx, dym, w_t, Accumulate::Yes)
+                gemm(dx, dym, w_t, Accumulate::Yes, math)
             });
         }
         return;
@@ -315,11 +348,11 @@ pub fn conv2d_backward(
         timed(Family::ConvWgrad, flops, || {
             im2col_tile(col, x, g, row0, rows);
             let col_t = MatRef::row_major(&col[..rows * k], rows, k).t();
-            gemm_f32(dw, col_t, dy_tile, Accumulate::Yes);
+            gemm(dw, col_t, dy_tile, Accumulate::Yes, math);
         });
         if let Some(dx) = dx.as_deref_mut() {
             timed(Family::ConvDgrad, flops, || {
-                gemm_f32(&mut dcol[..rows * k], dy_tile, w_t, Accumulate::No);
+                gemm(&mut dcol[..rows * k], dy_tile, w_t, Accumulate::No, math);
                 col2im_tile(dx, dcol, g, row0, rows);
             });
         }
@@ -534,14 +567,23 @@ mod tests {
             let dy = rand_vec(&mut r, g.output_len());
             let mut ws = vec![0.0; g.backward_workspace_len()];
             let mut y = vec![0.0; g.output_len()];
-            conv2d_forward(&mut y, &x, &w, &g, &mut ws);
+            conv2d_forward(&mut y, &x, &w, &g, &mut ws, GemmMath::F32);
             let y_ref = conv2d_ref(&to_f64(&x), &to_f64(&w), &g);
             assert_close(&format!("{c:?} y"), &y, &y_ref, 1e-5, 1e-5);
 
             // Both gradients accumulate: start from ones and expect ref + 1.
             let mut dx = vec![1.0; x.len()];
             let mut dw = vec![1.0; w.len()];
-            conv2d_backward(Some(&mut dx), &mut dw, &dy, &x, &w, &g, &mut ws);
+            conv2d_backward(
+                Some(&mut dx),
+                &mut dw,
+                &dy,
+                &x,
+                &w,
+                &g,
+                &mut ws,
+                GemmMath::F32,
+            );
             let (dx_ref, dw_ref) = conv2d_backward_ref(&to_f64(&dy), &to_f64(&x), &to_f64(&w), &g);
             let plus1 = |v: Vec<f64>| v.into_iter().map(|a| a + 1.0).collect::<Vec<_>>();
             assert_close(&format!("{c:?} dx"), &dx, &plus1(dx_ref), 1e-5, 1e-5);
@@ -578,7 +620,7 @@ mod tests {
             let dy = rand_vec(&mut r, g.output_len());
             let mut ws = vec![0.0; g.backward_workspace_len()];
             let mut y = vec![0.0; g.output_len()];
-            conv2d_forward(&mut y, &x, &w, &g, &mut ws);
+            conv2d_forward(&mut y, &x, &w, &g, &mut ws, GemmMath::F32);
             assert_close(
                 "tiled y",
                 &y,
@@ -589,7 +631,16 @@ mod tests {
             // dx accumulates: start from ones.
             let mut dx = vec![1.0; x.len()];
             let mut dw = vec![0.0; w.len()];
-            conv2d_backward(Some(&mut dx), &mut dw, &dy, &x, &w, &g, &mut ws);
+            conv2d_backward(
+                Some(&mut dx),
+                &mut dw,
+                &dy,
+                &x,
+                &w,
+                &g,
+                &mut ws,
+                GemmMath::F32,
+            );
             let (dx_ref, dw_ref) = conv2d_backward_ref(&to_f64(&dy), &to_f64(&x), &to_f64(&w), &g);
             let dx_ref: Vec<f64> = dx_ref.iter().map(|v| v + 1.0).collect();
             assert_close(&format!("tiled dx {g:?}"), &dx, &dx_ref, 1e-4, 1e-5);
@@ -632,7 +683,16 @@ mod tests {
         // Garbage in the workspace must not leak into the result.
         let mut ws = vec![f32::NAN; g.backward_workspace_len()];
         let (mut dx, mut dw) = (vec![0.0; x.len()], vec![0.5; w.len()]);
-        conv2d_backward(Some(&mut dx), &mut dw, &dy, &x, &w, &g, &mut ws);
+        conv2d_backward(
+            Some(&mut dx),
+            &mut dw,
+            &dy,
+            &x,
+            &w,
+            &g,
+            &mut ws,
+            GemmMath::F32,
+        );
         let (dx_ref, dw_ref) = conv2d_backward_ref(&to_f64(&dy), &to_f64(&x), &to_f64(&w), &g);
         let dw_ref: Vec<f64> = dw_ref.iter().map(|v| v + 0.5).collect();
         assert_close("split dw", &dw, &dw_ref, 1e-3, 1e-5);

@@ -1,5 +1,59 @@
-//! CPU backend: GEMM through the `gemm` crate, threads through rayon.
+//! CPU backend: GEMM through the `gemm` crate (f32) or our AVX512-BF16
+//! kernel (bf16 mode), threads through rayon.
 
+#[cfg(target_arch = "x86_64")]
+mod bf16_gemm;
 mod gemm;
 
+#[cfg(target_arch = "x86_64")]
+pub use self::bf16_gemm::{available as bf16_gemm_available, gemm_bf16};
+
+/// No bf16 kernel off x86-64: bf16 mode runs the f32 GEMM.
+#[cfg(not(target_arch = "x86_64"))]
+pub fn bf16_gemm_available() -> bool {
+    false
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+pub fn gemm_bf16(_: &mut [f32], _: MatRef<'_>, _: MatRef<'_>, _: Accumulate) {
+    unreachable!("gemm_bf16 is only called when bf16_gemm_available()")
+}
 pub use self::gemm::{Accumulate, MatRef, gemm_f32};
+
+/// The arithmetic a GEMM runs in. Operands and results are f32 storage
+/// either way; `Bf16` operands are bf16-representable values (the bf16
+/// precision mode rounds them first).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmMath {
+    F32,
+    /// bf16 products, f32 accumulation: the AVX512-BF16 kernel where the
+    /// CPU has it, else the f32 GEMM on the (already rounded) operands.
+    Bf16,
+}
+
+/// `dst [+]= a · b` in the given arithmetic.
+pub fn gemm(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, acc: Accumulate, math: GemmMath) {
+    match math {
+        GemmMath::Bf16 if bf16_gemm_available() => gemm_bf16(dst, a, b, acc),
+        _ => gemm_f32(dst, a, b, acc),
+    }
+}
+
+/// f32 to bf16 bits, rounding to nearest even, as `half::bf16::from_f32`
+/// does (NaN stays a quiet NaN). Branch-free apart from the NaN select, so
+/// loops over slices vectorise; `half`'s per-value call does not.
+#[inline(always)]
+pub fn f32_to_bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    // Wrapping: only NaN patterns can carry past the top, and those take
+    // the other branch.
+    let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16;
+    let nan = (b >> 16) | 0x0040;
+    (if x.is_nan() { nan } else { rounded }) as u16
+}
+
+/// bf16 bits to f32 (exact).
+#[inline(always)]
+pub fn bf16_bits_to_f32(b: u16) -> f32 {
+    f32::from_bits((b as u32) << 16)
+}

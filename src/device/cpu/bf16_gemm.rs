@@ -1,0 +1,445 @@
+//! bf16 GEMM with f32 accumulation on AVX512-BF16 (`vdpbf16ps`), for the
+//! bf16 precision mode: `dst (m, n) [+]= a (m, k) · b (k, n)`.
+//!
+//! The `gemm` crate has no bf16, and the mode's operands already hold
+//! bf16-representable values in f32 storage, so this kernel packs them into
+//! bf16 pairs (round to nearest even, exact for such values) and multiplies
+//! at twice the f32 FMA rate. Each product of two bf16 values is exact in
+//! f32; `vdpbf16ps` adds two of them per lane into an f32 accumulator.
+//!
+//! Layout, BLIS style:
+//! * `b` is packed once per call into panels of [`NR`] columns: for each
+//!   k-pair, NR u32 words holding (b[2p][j], b[2p+1][j]);
+//! * each parallel task owns up to [`MC_MAX`] rows of `dst`, packs its rows of `a` per
+//!   [`KC`] block into micro-panels of [`MR`] rows (one u32 pair per row and
+//!   k-pair), and runs the MR×NR micro-kernel over them;
+//! * k is walked in the same order whatever the thread count, and tasks
+//!   split rows only, so results do not depend on the number of threads.
+//!
+//! Packing buffers (a copy of `b`, and a block of `a` per task) are ordinary
+//! heap memory, like the `gemm` crate's own packing buffers.
+
+use std::arch::x86_64::*;
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
+
+use super::f32_to_bf16_bits;
+use super::gemm::{Accumulate, MatRef};
+
+const MR: usize = 8;
+const NR: usize = 32;
+/// k elements per block (even): one block's A micro-panel is MR·KC/2 words.
+const KC: usize = 256;
+/// Most rows of `dst` per parallel task (fewer when `m` is small, so every
+/// thread gets several tasks). The split does not change any result: each
+/// element is computed the same way whatever task holds its row.
+const MC_MAX: usize = 128;
+
+fn rows_per_task(m: usize) -> usize {
+    let per = m.div_ceil(4 * rayon::current_num_threads().max(1));
+    per.div_ceil(MR).clamp(1, MC_MAX / MR) * MR
+}
+
+/// Whether this CPU runs the kernel (AVX-512F and AVX512-BF16).
+pub fn available() -> bool {
+    static AVAILABLE: OnceLock<bool> = OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16")
+    })
+}
+
+/// f32 to bf16 bits (round to nearest even), widened to a word.
+#[inline]
+fn bf16_bits(v: f32) -> u32 {
+    f32_to_bf16_bits(v) as u32
+}
+
+/// Two k-consecutive values as one `vdpbf16ps` operand word: the lower
+/// index in the low half.
+#[inline]
+fn pair(lo: f32, hi: f32) -> u32 {
+    bf16_bits(lo) | (bf16_bits(hi) << 16)
+}
+
+/// Packs all of `b` (k, n): for each NR-column panel, for each k-pair, NR
+/// words. Columns past `n` and the odd k tail are zero. The inner loops run
+/// along whichever direction of `b` is contiguous, so they vectorise.
+///
+/// # Safety
+/// The CPU must have AVX-512F ([`available`]).
+#[target_feature(enable = "avx512f")]
+unsafe fn pack_b(b: MatRef<'_>) -> Vec<u32> {
+    let (k, n) = (b.rows, b.cols);
+    let (pairs, panels) = (k.div_ceil(2), n.div_ceil(NR));
+    let mut out = vec![0u32; panels * pairs * NR];
+    let d = b.data;
+    out.par_chunks_mut(pairs * NR)
+        .enumerate()
+        .for_each(|(panel, words)| {
+            let j0 = panel * NR;
+            let nw = NR.min(n - j0);
+            if b.cs == 1 {
+                // Row-major: pair two rows, column by column.
+                for (kp, row) in words.chunks_exact_mut(NR).enumerate() {
+                    let lo = &d[2 * kp * b.rs + j0..][..nw];
+                    if 2 * kp + 1 < k {
+                        let hi = &d[(2 * kp + 1) * b.rs + j0..][..nw];
+                        for (w, (&l, &h)) in row.iter_mut().zip(lo.iter().zip(hi)) {
+                            *w = pair(l, h);
+                        }
+                    } else {
+                        for (w, &l) in row.iter_mut().zip(lo) {
+                            *w = pair(l, 0.0);
+                        }
+                    }
+                }
+            } else {
+                // Column-contiguous (a transposed view) or general strides:
+                // walk each column down k.
+                for jj in 0..nw {
+                    let col = |p: usize| d[p * b.rs + (j0 + jj) * b.cs];
+                    for kp in 0..pairs {
+                        let hi = if 2 * kp + 1 < k { col(2 * kp + 1) } else { 0.0 };
+                        words[kp * NR + jj] = pair(col(2 * kp), hi);
+                    }
+                }
+            }
+        });
+    out
+}
+
+/// How a packed block of `a` is laid out: word (row ii, k-pair kp) of a
+/// micro-panel sits at `ii·row + kp·pair`, micro-panels `panel` words apart.
+#[derive(Clone, Copy)]
+struct ALayout {
+    row: usize,
+    pair: usize,
+    panel: usize,
+}
+
+/// Packs rows `i0..i0+mc` and k-block `p0..p0+kc` of `a` (rows past `m`
+/// and k past the block are zero) and says how it is laid out.
+/// * Rows contiguous along k (row-major `a`, the forward and input-gradient
+///   case): each row is rounded to bf16 in place order, which is already
+///   the k-pair word order, so packing is a streaming conversion and the
+///   micro-kernel reads MR row streams.
+/// * Otherwise (the transposed patches of a weight gradient): MR-row
+///   micro-panels, one word per row for each k-pair, read along the
+///   contiguous row direction.
+///
+/// # Safety
+/// The CPU must have AVX-512F ([`available`]).
+#[target_feature(enable = "avx512f")]
+unsafe fn pack_a(
+    out: &mut [u32],
+    a: MatRef<'_>,
+    i0: usize,
+    mc: usize,
+    p0: usize,
+    kc: usize,
+) -> ALayout {
+    let kc2 = kc.div_ceil(2);
+    let d = a.data;
+    let valid = mc.min(a.rows - i0);
+    if a.cs == 1 {
+        let rows_padded = mc.div_ceil(MR) * MR;
+        let words = &mut out[..rows_padded * kc2];
+        for (ii, w) in words.chunks_exact_mut(kc2).enumerate() {
+            if ii >= valid {
+                w.fill(0);
+                continue;
+            }
+            let src = &d[(i0 + ii) * a.rs + p0..][..kc];
+            let halves: &mut [u16] = bytemuck::cast_slice_mut(w);
+            for (h, &v) in halves.iter_mut().zip(src) {
+                *h = bf16_bits(v) as u16;
+            }
+            if kc % 2 == 1 {
+                halves[kc] = 0;
+            }
+        }
+        return ALayout {
+            row: kc2,
+            pair: 1,
+            panel: MR * kc2,
+        };
+    }
+    for (panel, words) in out
+        .chunks_exact_mut(kc2 * MR)
+        .take(mc.div_ceil(MR))
+        .enumerate()
+    {
+        let r0 = i0 + panel * MR;
+        let rows = MR.min(a.rows - r0.min(a.rows));
+        if rows < MR {
+            words.fill(0);
+        }
+        for (kp, col) in words.chunks_exact_mut(MR).enumerate() {
+            let p = p0 + 2 * kp;
+            let hi_in = 2 * kp + 1 < kc;
+            if a.rs == 1 {
+                // Contiguous along the rows: pair two columns.
+                let lo = &d[p * a.cs + r0..][..rows];
+                if hi_in {
+                    let hi = &d[(p + 1) * a.cs + r0..][..rows];
+                    for (w, (&l, &h)) in col.iter_mut().zip(lo.iter().zip(hi)) {
+                        *w = pair(l, h);
+                    }
+                } else {
+                    for (w, &l) in col.iter_mut().zip(lo) {
+                        *w = pair(l, 0.0);
+                    }
+                }
+            } else {
+                for (ii, w) in col.iter_mut().take(rows).enumerate() {
+                    let lo = d[(r0 + ii) * a.rs + p * a.cs];
+                    let hi = if hi_in {
+                        d[(r0 + ii) * a.rs + (p + 1) * a.cs]
+                    } else {
+                        0.0
+                    };
+                    *w = pair(lo, hi);
+                }
+            }
+        }
+    }
+    ALayout {
+        row: 1,
+        pair: MR,
+        panel: MR * kc2,
+    }
+}
+
+/// Reinterprets 32 bf16 lanes held as integers.
+#[inline(always)]
+fn as_bh(v: __m512i) -> __m512bh {
+    // SAFETY: same size, and every bit pattern is a valid vector of either.
+    unsafe { std::mem::transmute::<__m512i, __m512bh>(v) }
+}
+
+/// `c (MR×NR, row stride ldc) += Σ_kp a[·, kp] ⊗ bp[kp]` over `kc2`
+/// k-pairs, with row ii's word for k-pair kp at `ap[ii·l.row + kp·l.pair]`.
+/// The tile of `c` is loaded into the accumulators and stored back once.
+///
+/// # Safety
+/// The CPU must have AVX-512F and AVX512-BF16; `ap` must hold every word
+/// the layout addresses for MR rows and `kc2` pairs, `bp` `kc2·NR` words,
+/// and `c` MR rows of NR floats `ldc` apart.
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn micro_kernel(kc2: usize, ap: &[u32], l: ALayout, bp: &[u32], c: *mut f32, ldc: usize) {
+    debug_assert!(ap.len() > (MR - 1) * l.row + (kc2 - 1) * l.pair && bp.len() >= kc2 * NR);
+    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    for (ii, ci) in acc.iter_mut().enumerate() {
+        // SAFETY: the tile lies inside `c` by the contract above.
+        unsafe {
+            ci[0] = _mm512_loadu_ps(c.add(ii * ldc));
+            ci[1] = _mm512_loadu_ps(c.add(ii * ldc + 16));
+        }
+    }
+    let a = ap.as_ptr();
+    for kp in 0..kc2 {
+        // SAFETY: in bounds by the contract above; unaligned loads.
+        let (b0, b1) = unsafe {
+            let p = bp.as_ptr().add(kp * NR) as *const __m512i;
+            (_mm512_loadu_si512(p), _mm512_loadu_si512(p.add(1)))
+        };
+        let (b0, b1) = (as_bh(b0), as_bh(b1));
+        for (ii, ci) in acc.iter_mut().enumerate() {
+            // SAFETY: as above.
+            let av = as_bh(_mm512_set1_epi32(
+                unsafe { *a.add(ii * l.row + kp * l.pair) } as i32,
+            ));
+            ci[0] = _mm512_dpbf16_ps(ci[0], av, b0);
+            ci[1] = _mm512_dpbf16_ps(ci[1], av, b1);
+        }
+    }
+    for (ii, ci) in acc.iter().enumerate() {
+        // SAFETY: as for the loads.
+        unsafe {
+            _mm512_storeu_ps(c.add(ii * ldc), ci[0]);
+            _mm512_storeu_ps(c.add(ii * ldc + 16), ci[1]);
+        }
+    }
+}
+
+/// `dst (m, n) row-major [+]= a · b` in bf16 with f32 accumulation.
+///
+/// Panics when the CPU lacks the instructions ([`available`]) or the views
+/// do not fit their slices; callers check both, so neither is user input.
+pub fn gemm_bf16(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, acc: Accumulate) {
+    assert!(available(), "gemm_bf16: CPU lacks AVX512-BF16");
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    assert_eq!(b.rows, k, "gemm_bf16: inner dimensions");
+    assert!(dst.len() >= m * n, "gemm_bf16: dst too small");
+    if m == 0 || n == 0 {
+        return;
+    }
+    if acc == Accumulate::No {
+        dst[..m * n].fill(0.0);
+    }
+    if k == 0 {
+        return;
+    }
+    // SAFETY: `available()` was asserted.
+    let bp = unsafe { pack_b(b) };
+    let (pairs, panels) = (k.div_ceil(2), n.div_ceil(NR));
+    let mc_task = rows_per_task(m);
+    dst[..m * n]
+        .par_chunks_mut(mc_task * n)
+        .enumerate()
+        .for_each(|(blk, drows)| {
+            let i0 = blk * mc_task;
+            let mc = drows.len() / n;
+            let mut ap = vec![0u32; mc.div_ceil(MR) * KC.div_ceil(2) * MR];
+            let mut tile = [0.0f32; MR * NR];
+            for p0 in (0..k).step_by(KC) {
+                let kc = KC.min(k - p0);
+                let kc2 = kc.div_ceil(2);
+                // SAFETY: `available()` was asserted.
+                let layout = unsafe { pack_a(&mut ap, a, i0, mc, p0, kc) };
+                for panel in 0..panels {
+                    let j0 = panel * NR;
+                    let nw = NR.min(n - j0);
+                    let bpanel = &bp[panel * pairs * NR + (p0 / 2) * NR..][..kc2 * NR];
+                    for mp in 0..mc.div_ceil(MR) {
+                        let apanel = &ap[mp * layout.panel..][..layout.panel];
+                        let r0 = mp * MR;
+                        let rows = MR.min(mc - r0);
+                        if rows == MR && nw == NR {
+                            let c = drows[r0 * n + j0..].as_mut_ptr();
+                            // SAFETY: `available()` was asserted; a
+                            // micro-panel holds MR rows of kc2 words, a B
+                            // panel kc2·NR words, and the full MR×NR tile
+                            // lies inside `drows` (rows r0.., columns j0..).
+                            unsafe { micro_kernel(kc2, apanel, layout, bpanel, c, n) };
+                        } else {
+                            // A ragged edge: run on a zeroed full tile, then
+                            // add its valid part.
+                            tile.fill(0.0);
+                            // SAFETY: as above; `tile` is MR×NR.
+                            unsafe {
+                                micro_kernel(kc2, apanel, layout, bpanel, tile.as_mut_ptr(), NR)
+                            };
+                            for (ii, trow) in tile.chunks_exact(NR).take(rows).enumerate() {
+                                let drow = &mut drows[(r0 + ii) * n + j0..][..nw];
+                                for (d, t) in drow.iter_mut().zip(trow) {
+                                    *d += t;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn round_bf16(v: f32) -> f32 {
+        f32::from_bits(bf16_bits(v) << 16)
+    }
+
+    #[test]
+    fn rounding_is_to_nearest_even() {
+        assert_eq!(bf16_bits(1.0), 0x3f80);
+        // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to even (1).
+        assert_eq!(bf16_bits(1.0 + 2f32.powi(-8)), 0x3f80);
+        // 1 + 3·2^-8 is halfway between 1 + 2^-7 and 1 + 2^-6: ties to even.
+        assert_eq!(bf16_bits(1.0 + 3.0 * 2f32.powi(-8)), 0x3f82);
+        assert_eq!(bf16_bits(-2.0), 0xc000);
+        assert!(f32::from_bits(bf16_bits(f32::NAN) << 16).is_nan());
+        assert_eq!(bf16_bits(f32::INFINITY), 0x7f80);
+    }
+
+    /// Products of bf16 values summed in f64: what the kernel computes up
+    /// to f32 accumulation error.
+    fn reference(a: MatRef<'_>, b: MatRef<'_>) -> Vec<f64> {
+        let mut out = vec![0.0; a.rows * b.cols];
+        for i in 0..a.rows {
+            for j in 0..b.cols {
+                for p in 0..a.cols {
+                    out[i * b.cols + j] += round_bf16(a.data[i * a.rs + p * a.cs]) as f64
+                        * round_bf16(b.data[p * b.rs + j * b.cs]) as f64;
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn matches_reference_on_ragged_shapes_and_transposes() {
+        if !available() {
+            eprintln!("skipped: this CPU has no AVX512-BF16");
+            return;
+        }
+        // Ragged against MR, NR, KC and MC, odd k, and a k spanning blocks.
+        for &(m, k, n) in &[(1, 1, 1), (9, 3, 33), (37, 257, 23), (130, 515, 70)] {
+            let a: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 7919 % 1013) as f32 - 506.0) / 97.0)
+                .collect();
+            let b: Vec<f32> = (0..k * n)
+                .map(|i| ((i * 104729 % 811) as f32 - 405.0) / 53.0)
+                .collect();
+            for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+                let av = if ta {
+                    MatRef::row_major(&a, k, m).t()
+                } else {
+                    MatRef::row_major(&a, m, k)
+                };
+                let bv = if tb {
+                    MatRef::row_major(&b, n, k).t()
+                } else {
+                    MatRef::row_major(&b, k, n)
+                };
+                let want = reference(av, bv);
+                let scale = want.iter().fold(1.0f64, |s, w| s.max(w.abs()));
+                let mut dst = vec![1.0f32; m * n];
+                gemm_bf16(&mut dst, av, bv, Accumulate::Yes);
+                for (d, w) in dst.iter().zip(&want) {
+                    let err = (*d as f64 - (w + 1.0)).abs();
+                    assert!(
+                        err <= 1e-5 * scale * (k as f64).sqrt(),
+                        "{m}x{k}x{n}: {d} vs {}",
+                        w + 1.0
+                    );
+                }
+                let mut dst2 = vec![f32::NAN; m * n];
+                gemm_bf16(&mut dst2, av, bv, Accumulate::No);
+                for (d, w) in dst2.iter().zip(&want) {
+                    assert!((*d as f64 - w).abs() <= 1e-5 * scale * (k as f64).sqrt());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn result_does_not_depend_on_thread_count() {
+        if !available() {
+            eprintln!("skipped: this CPU has no AVX512-BF16");
+            return;
+        }
+        let (m, k, n) = (300, 600, 40);
+        let a: Vec<f32> = (0..m * k).map(|i| ((i % 97) as f32 - 48.0) / 7.0).collect();
+        let b: Vec<f32> = (0..k * n).map(|i| ((i % 89) as f32 - 44.0) / 5.0).collect();
+        let run = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            let mut dst = vec![0.0f32; m * n];
+            pool.install(|| {
+                gemm_bf16(
+                    &mut dst,
+                    MatRef::row_major(&a, m, k),
+                    MatRef::row_major(&b, k, n),
+                    Accumulate::No,
+                )
+            });
+            dst
+        };
+        assert_eq!(run(1), run(3));
+    }
+}
