@@ -24,8 +24,8 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
-use super::f32_to_bf16_bits;
 use super::gemm::{Accumulate, MatRef};
+use super::{f32_to_bf16, f32_to_bf16_bits, pair_to_bf16};
 
 const MR: usize = 8;
 const NR: usize = 32;
@@ -83,16 +83,8 @@ unsafe fn pack_b(b: MatRef<'_>) -> Vec<u32> {
                 // Row-major: pair two rows, column by column.
                 for (kp, row) in words.chunks_exact_mut(NR).enumerate() {
                     let lo = &d[2 * kp * b.rs + j0..][..nw];
-                    if 2 * kp + 1 < k {
-                        let hi = &d[(2 * kp + 1) * b.rs + j0..][..nw];
-                        for (w, (&l, &h)) in row.iter_mut().zip(lo.iter().zip(hi)) {
-                            *w = pair(l, h);
-                        }
-                    } else {
-                        for (w, &l) in row.iter_mut().zip(lo) {
-                            *w = pair(l, 0.0);
-                        }
-                    }
+                    let hi = (2 * kp + 1 < k).then(|| &d[(2 * kp + 1) * b.rs + j0..][..nw]);
+                    pair_to_bf16(&mut row[..nw], lo, hi);
                 }
             } else {
                 // Column-contiguous (a transposed view) or general strides:
@@ -152,9 +144,7 @@ unsafe fn pack_a(
             }
             let src = &d[(i0 + ii) * a.rs + p0..][..kc];
             let halves: &mut [u16] = bytemuck::cast_slice_mut(w);
-            for (h, &v) in halves.iter_mut().zip(src) {
-                *h = bf16_bits(v) as u16;
-            }
+            f32_to_bf16(&mut halves[..kc], src);
             if kc % 2 == 1 {
                 halves[kc] = 0;
             }
@@ -180,6 +170,8 @@ unsafe fn pack_a(
             let hi_in = 2 * kp + 1 < kc;
             if a.rs == 1 {
                 // Contiguous along the rows: pair two columns.
+                // MR values per call: too few for the slice converter, so
+                // inline (this function's AVX-512 lets it vectorise).
                 let lo = &d[p * a.cs + r0..][..rows];
                 if hi_in {
                     let hi = &d[(p + 1) * a.cs + r0..][..rows];

@@ -1,9 +1,14 @@
 //! CPU backend: GEMM through the `gemm` crate (f32) or our AVX512-BF16
 //! kernel (bf16 mode), threads through rayon.
 
+mod bf16_convert;
 #[cfg(target_arch = "x86_64")]
 mod bf16_gemm;
 mod gemm;
+
+pub use self::bf16_convert::{
+    bf16_bits_to_f32, bf16_to_f32, f32_to_bf16, f32_to_bf16_bits, pair_to_bf16, round_to_bf16,
+};
 
 #[cfg(target_arch = "x86_64")]
 pub use self::bf16_gemm::{available as bf16_gemm_available, gemm_bf16};
@@ -37,23 +42,4 @@ pub fn gemm(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, acc: Accumulate, math
         GemmMath::Bf16 if bf16_gemm_available() => gemm_bf16(dst, a, b, acc),
         _ => gemm_f32(dst, a, b, acc),
     }
-}
-
-/// f32 to bf16 bits, rounding to nearest even, as `half::bf16::from_f32`
-/// does (NaN stays a quiet NaN). Branch-free apart from the NaN select, so
-/// loops over slices vectorise; `half`'s per-value call does not.
-#[inline(always)]
-pub fn f32_to_bf16_bits(x: f32) -> u16 {
-    let b = x.to_bits();
-    // Wrapping: only NaN patterns can carry past the top, and those take
-    // the other branch.
-    let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16;
-    let nan = (b >> 16) | 0x0040;
-    (if x.is_nan() { nan } else { rounded }) as u16
-}
-
-/// bf16 bits to f32 (exact).
-#[inline(always)]
-pub fn bf16_bits_to_f32(b: u16) -> f32 {
-    f32::from_bits((b as u32) << 16)
 }
