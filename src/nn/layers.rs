@@ -78,12 +78,18 @@ impl Conv {
             Category::Activations,
             Tag::new(&self.name, field),
         )?;
-        let w_low = rounded_weight(
-            pool,
-            &self.weight.value,
-            self.precision,
-            Tag::new(&self.name, "weight_low"),
-        )?;
+        // The native bf16 GEMM rounds the weight while packing it, exactly as
+        // a rounded copy would be, so it needs none.
+        let w_low = if self.precision.gemm_rounds_operands() {
+            None
+        } else {
+            rounded_weight(
+                pool,
+                &self.weight.value,
+                self.precision,
+                Tag::new(&self.name, "weight_low"),
+            )?
+        };
         let mut ws = pool.empty_f32(
             &[g.forward_workspace_len()],
             Category::Workspace,
@@ -114,12 +120,18 @@ impl Conv {
     ) -> Result<()> {
         let (n, h, w, _) = x.shape().nhwc();
         let g = self.geom(n, h, w);
-        let w_low = rounded_weight(
-            pool,
-            &self.weight.value,
-            self.precision,
-            Tag::new(&self.name, "weight_low"),
-        )?;
+        // The native bf16 GEMM rounds the weight while packing it, exactly as
+        // a rounded copy would be, so it needs none.
+        let w_low = if self.precision.gemm_rounds_operands() {
+            None
+        } else {
+            rounded_weight(
+                pool,
+                &self.weight.value,
+                self.precision,
+                Tag::new(&self.name, "weight_low"),
+            )?
+        };
         let mut ws = pool.empty_f32(
             &[g.backward_workspace_len()],
             Category::Workspace,

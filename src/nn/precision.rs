@@ -20,7 +20,7 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
-use crate::device::cpu::{GemmMath, bf16_to_f32, f32_to_bf16, round_to_bf16};
+use crate::device::cpu::{GemmMath, bf16_gemm_available, bf16_to_f32, f32_to_bf16, round_to_bf16};
 use crate::error::{Error, Result};
 use crate::memory::{Category, Pool, Tag};
 use crate::tensor::{DType, Tensor};
@@ -46,6 +46,13 @@ impl Precision {
             Precision::BF16 => GemmMath::Bf16,
             Precision::F32 | Precision::F16 => GemmMath::F32,
         }
+    }
+
+    /// Whether the GEMM rounds its operands to this type itself (the native
+    /// bf16 kernel packs with round-to-nearest-even, as [`Precision::round`]
+    /// does), so callers need not pass pre-rounded copies.
+    pub fn gemm_rounds_operands(self) -> bool {
+        self == Precision::BF16 && bf16_gemm_available()
     }
 
     pub const ALL: [Precision; 3] = [Precision::F32, Precision::BF16, Precision::F16];
