@@ -547,6 +547,9 @@ fn print_memory(stats: &MemoryStats) {
 /// What one `bench step` measured.
 struct StepResult {
     plan: String,
+    /// Forward FLOPs the plan recomputes over the FLOPs of a plain step
+    /// (forward + backward = 3 forwards).
+    recompute_fraction: f64,
     precision: Precision,
     micro_batch: usize,
     median_seconds: f64,
@@ -691,8 +694,18 @@ fn measure_steps(a: &StepArgs, verbose: bool) -> Result<StepResult> {
         memfit::profile::enable(false);
         print_profile(&totals, total, a.steps);
     }
+    let stages = &resolved.costs.stages;
+    let forward: f64 = stages.iter().map(|st| st.forward_flops).sum();
+    let recomputed: f64 = plan
+        .segments
+        .iter()
+        .filter(|seg| seg.recompute)
+        .flat_map(|seg| seg.start..seg.end)
+        .map(|i| stages[i].forward_flops)
+        .sum();
     Ok(StepResult {
         plan: plan.to_string(),
+        recompute_fraction: recomputed / (3.0 * forward).max(1.0),
         precision: resolved.precision,
         micro_batch: micro,
         median_seconds: median,
@@ -825,10 +838,12 @@ fn bench_strategies(a: StrategiesArgs) -> Result<()> {
         results[0].1.measured.peak_total as f64,
         results[0].1.median_seconds,
     );
-    let header = "| strategy | plan | micro-batch | precision | peak | activations at peak | memory ratio | s/step | time ratio | predicted peak |";
-    println!("{header}\n|---|---|---|---|---|---|---|---|---|---|");
+    // A checkpoint plan should cost no more than the forward it recomputes
+    // (plus 5% slack): bound = 1 + recomputed forward FLOPs / step FLOPs + 0.05.
+    let header = "| strategy | plan | micro-batch | precision | peak | activations at peak | memory ratio | s/step | time ratio | recompute bound | predicted peak |";
+    println!("{header}\n|---|---|---|---|---|---|---|---|---|---|---|");
     let mut csv = String::from(
-        "strategy,plan,micro_batch,precision,peak_bytes,activations_bytes,memory_ratio,seconds_per_step,time_ratio,predicted_peak_bytes\n",
+        "strategy,plan,micro_batch,precision,peak_bytes,activations_bytes,memory_ratio,seconds_per_step,time_ratio,recompute_bound,predicted_peak_bytes\n",
     );
     for (name, r) in &results {
         let m = &r.measured;
@@ -837,8 +852,12 @@ fn bench_strategies(a: StrategiesArgs) -> Result<()> {
             m.peak_total as f64 / base_peak,
             r.median_seconds / base_time,
         );
+        let bound = (r.recompute_fraction > 0.0).then(|| 1.0 + r.recompute_fraction + 0.05);
+        let bound_cell = bound.map_or("-".to_string(), |b| {
+            format!("{b:.2} ({})", if tr <= b { "within" } else { "over" })
+        });
         println!(
-            "| {name} | {} | {} | {} | {} | {} | {mr:.2} | {:.3} | {tr:.2} | {} |",
+            "| {name} | {} | {} | {} | {} | {} | {mr:.2} | {:.3} | {tr:.2} | {bound_cell} | {} |",
             r.plan,
             r.micro_batch,
             r.precision,
@@ -848,8 +867,14 @@ fn bench_strategies(a: StrategiesArgs) -> Result<()> {
             fmt_bytes(r.predicted)
         );
         csv += &format!(
-            "\"{name}\",\"{}\",{},{},{},{act},{mr:.4},{:.4},{tr:.4},{}\n",
-            r.plan, r.micro_batch, r.precision, m.peak_total, r.median_seconds, r.predicted
+            "\"{name}\",\"{}\",{},{},{},{act},{mr:.4},{:.4},{tr:.4},{},{}\n",
+            r.plan,
+            r.micro_batch,
+            r.precision,
+            m.peak_total,
+            r.median_seconds,
+            bound.map_or(String::new(), |b| format!("{b:.4}")),
+            r.predicted
         );
     }
     if let Some(path) = &a.csv {
