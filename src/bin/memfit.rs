@@ -852,7 +852,7 @@ fn bench_strategies(a: StrategiesArgs) -> Result<()> {
             m.peak_total as f64 / base_peak,
             r.median_seconds / base_time,
         );
-        let bound = (r.recompute_fraction > 0.0).then(|| 1.0 + r.recompute_fraction + 0.05);
+        let bound = (r.recompute_fraction > 0.0).then_some(1.0 + r.recompute_fraction + 0.05);
         let bound_cell = bound.map_or("-".to_string(), |b| {
             format!("{b:.2} ({})", if tr <= b { "within" } else { "over" })
         });
