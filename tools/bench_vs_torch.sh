@@ -4,7 +4,7 @@
 # see the same machine noise. Prints one Markdown table of medians and ratios.
 #
 #   tools/bench_vs_torch.sh [--reps N] [--install-torch] [--python PATH]
-#                           [--out DIR] [--configs "fp32:224:16 fp32:128:32 bf16:224:16"]
+#                           [--out DIR] [--configs "fp32:224:16 fp32:128:32 bf16:224:16 bf16:128:32"]
 #
 # PyTorch side: ../shared/baselines/pytorch/resnet_mem.py (the measured
 # baseline's own script: seeded random batch, SGD lr 0.1 momentum 0.9, 1
@@ -22,8 +22,7 @@ reps=3
 python=""
 install=0
 out=target/bench_vs_torch
-configs="fp32:224:16 fp32:128:32 bf16:224:16"
-features=""
+configs="fp32:224:16 fp32:128:32 bf16:224:16 bf16:128:32"
 while [ $# -gt 0 ]; do
   case "$1" in
     --reps) reps="$2"; shift 2 ;;
@@ -31,7 +30,6 @@ while [ $# -gt 0 ]; do
     --install-torch) install=1; shift ;;
     --out) out="$2"; shift 2 ;;
     --configs) configs="$2"; shift 2 ;;
-    --features) features="$2"; shift 2 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -49,12 +47,12 @@ fi
 "$python" -c "import torch, torchvision" 2>/dev/null || {
   echo "no torch for $python: pass --install-torch or --python PATH" >&2; exit 1; }
 
-cargo build --release ${features:+--features "$features"} >&2
+cargo build --release >&2
 memfit=target/release/memfit
 mkdir -p "$out"
 raw="$out/raw.tsv"
 : > "$raw"
-echo "# torch $("$python" -c 'import torch; print(torch.__version__)'), memfit $(git rev-parse --short HEAD)${features:+ (features $features)}, $(nproc) cores" | tee "$out/versions.txt" >&2
+echo "# torch $("$python" -c 'import torch; print(torch.__version__)'), memfit $(git rev-parse --short HEAD), $(nproc) cores, $(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2 | xargs)" | tee "$out/versions.txt" >&2
 
 run_memfit() { # precision res batch
   "$memfit" bench step --model resnet50 --precision "$1" --image-size "$2" --batch-size "$3" \
