@@ -78,18 +78,7 @@ impl Conv {
             Category::Activations,
             Tag::new(&self.name, field),
         )?;
-        // The native bf16 GEMM rounds the weight while packing it, exactly as
-        // a rounded copy would be, so it needs none.
-        let w_low = if self.precision.gemm_rounds_operands() {
-            None
-        } else {
-            rounded_weight(
-                pool,
-                &self.weight.value,
-                self.precision,
-                Tag::new(&self.name, "weight_low"),
-            )?
-        };
+        let w_low = self.gemm_weight(pool)?;
         let mut ws = pool.empty_f32(
             &[g.forward_workspace_len()],
             Category::Workspace,
@@ -120,18 +109,7 @@ impl Conv {
     ) -> Result<()> {
         let (n, h, w, _) = x.shape().nhwc();
         let g = self.geom(n, h, w);
-        // The native bf16 GEMM rounds the weight while packing it, exactly as
-        // a rounded copy would be, so it needs none.
-        let w_low = if self.precision.gemm_rounds_operands() {
-            None
-        } else {
-            rounded_weight(
-                pool,
-                &self.weight.value,
-                self.precision,
-                Tag::new(&self.name, "weight_low"),
-            )?
-        };
+        let w_low = self.gemm_weight(pool)?;
         let mut ws = pool.empty_f32(
             &[g.backward_workspace_len()],
             Category::Workspace,
@@ -154,6 +132,21 @@ impl Conv {
             }
         }
         Ok(())
+    }
+
+    /// The weight as the GEMM needs it: a copy rounded to the layer's
+    /// precision, or `None` to use the weight itself (fp32, and bf16 with the
+    /// native GEMM, which rounds while packing exactly as a copy would be).
+    fn gemm_weight(&self, pool: &Pool) -> Result<Option<Tensor>> {
+        if self.precision.gemm_rounds_operands() {
+            return Ok(None);
+        }
+        rounded_weight(
+            pool,
+            &self.weight.value,
+            self.precision,
+            Tag::new(&self.name, "weight_low"),
+        )
     }
 
     /// A zeroed tensor shaped like `x`, for input gradients to accumulate in.

@@ -9,7 +9,9 @@
 
 use rayon::prelude::*;
 
-use crate::device::cpu::{Accumulate, GemmMath, MatRef, gemm};
+use crate::device::cpu::{
+    Accumulate, GemmMath, MatRef, bf16_gemm_available, f32_to_bf16, gemm, gemm_bf16_rows,
+};
 use crate::error::{Error, Result};
 use crate::profile::{Family, timed};
 
@@ -156,6 +158,38 @@ fn im2col_tile(col: &mut [f32], x: &[f32], g: &ConvGeom, row0: usize, rows: usiz
         });
 }
 
+/// [`im2col_tile`] straight into bf16 for the native bf16 GEMM: each patch
+/// row becomes ⌈K/2⌉ words of k-pairs (an odd tail zero), so the GEMM reads
+/// the patches in place instead of packing an f32 copy.
+fn im2col_tile_bf16(col: &mut [u32], x: &[f32], g: &ConvGeom, row0: usize, rows: usize) {
+    let (oh, ow, k, cin) = (g.oh(), g.ow(), g.k(), g.cin);
+    let k2 = k.div_ceil(2);
+    col[..rows * k2]
+        .par_chunks_mut(k2)
+        .enumerate()
+        .for_each(|(i, words)| {
+            let patch: &mut [u16] = bytemuck::cast_slice_mut(words);
+            if k % 2 == 1 {
+                patch[k] = 0;
+            }
+            let r = row0 + i;
+            let (n, oy, ox) = (r / (oh * ow), (r / ow) % oh, r % ow);
+            for ky in 0..g.kh {
+                let iy = (oy * g.stride + ky) as isize - g.pad as isize;
+                for kx in 0..g.kw {
+                    let ix = (ox * g.stride + kx) as isize - g.pad as isize;
+                    let dst = &mut patch[(ky * g.kw + kx) * cin..][..cin];
+                    if iy < 0 || ix < 0 || iy >= g.h as isize || ix >= g.w as isize {
+                        dst.fill(0);
+                    } else {
+                        let src = ((n * g.h + iy as usize) * g.w + ix as usize) * cin;
+                        f32_to_bf16(dst, &x[src..src + cin]);
+                    }
+                }
+            }
+        });
+}
+
 /// Add patch gradients `dcol` (rows, K) of output rows `row0..row0+rows`
 /// back into `dx`. Patches overlap, so rather than scatter from patches this
 /// gathers per input line (n, iy): each thread owns whole lines of `dx`, and
@@ -256,17 +290,28 @@ fn conv2d_forward_untimed(
     }
     let (k, tile) = (g.k(), g.tile_rows());
     assert!(ws.len() >= tile * k, "conv2d_forward: workspace too small");
+    // The native bf16 GEMM takes the patches as bf16 rows: half the bytes
+    // written, and no second pass to pack them.
+    let native_bf16 = math == GemmMath::Bf16 && bf16_gemm_available();
     for row0 in (0..g.rows()).step_by(tile) {
         let rows = tile.min(g.rows() - row0);
+        let y_tile = &mut y[row0 * g.cout..(row0 + rows) * g.cout];
+        if native_bf16 {
+            let words: &mut [u32] = bytemuck::cast_slice_mut(&mut ws[..]);
+            im2col_tile_bf16(words, x, g, row0, rows);
+            gemm_bf16_rows(
+                y_tile,
+                &words[..rows * k.div_ceil(2)],
+                rows,
+                k,
+                wm,
+                Accumulate::No,
+            );
+            continue;
+        }
         im2col_tile(ws, x, g, row0, rows);
         let col = MatRef::row_major(&ws[..rows * k], rows, k);
-        gemm(
-            &mut y[row0 * g.cout..(row0 + rows) * g.cout],
-            col,
-            wm,
-            Accumulate::No,
-            math,
-        );
+        gemm(y_tile, col, wm, Accumulate::No, math);
     }
 }
 
@@ -658,6 +703,64 @@ mod tests {
             pad: 1,
         };
         assert!(big.rows() > 2 * big.tile_rows());
+    }
+
+    #[test]
+    fn bf16_math_matches_the_reference_on_rounded_operands() {
+        // bf16 mode passes bf16-representable activations; the weight is
+        // rounded by the GEMM itself. Shapes: the 7x7 s2 stem on 3 channels
+        // (odd K), a padded 3x3, a strided 1x1, and a multi-tile 3x3.
+        let cases = [
+            (3, 7, 2, 3, 16, 8),
+            (16, 3, 1, 1, 9, 24),
+            (12, 1, 2, 0, 9, 40),
+            (512, 3, 2, 1, 32, 3),
+        ];
+        let round = |v: Vec<f32>| -> Vec<f32> {
+            v.into_iter()
+                .map(|x| {
+                    crate::device::cpu::bf16_bits_to_f32(crate::device::cpu::f32_to_bf16_bits(x))
+                })
+                .collect()
+        };
+        for (cin, kk, stride, pad, hw, cout) in cases {
+            let g = ConvGeom {
+                n: 2,
+                h: hw,
+                w: hw,
+                cin,
+                cout,
+                kh: kk,
+                kw: kk,
+                stride,
+                pad,
+            };
+            let mut r = rng(5);
+            let x = round(rand_vec(&mut r, g.input_len()));
+            let w = rand_vec(&mut r, g.weight_len());
+            let dy = round(rand_vec(&mut r, g.output_len()));
+            let w_rounded = round(w.clone());
+            let mut ws = vec![f32::NAN; g.backward_workspace_len().max(g.forward_workspace_len())];
+            let mut y = vec![0.0; g.output_len()];
+            conv2d_forward(&mut y, &x, &w, &g, &mut ws, GemmMath::Bf16);
+            let y_ref = conv2d_ref(&to_f64(&x), &to_f64(&w_rounded), &g);
+            assert_close(&format!("bf16 y {g:?}"), &y, &y_ref, 1e-4, 1e-5);
+            let (mut dx, mut dw) = (vec![0.0; x.len()], vec![0.0; w.len()]);
+            conv2d_backward(
+                Some(&mut dx),
+                &mut dw,
+                &dy,
+                &x,
+                &w,
+                &g,
+                &mut ws,
+                GemmMath::Bf16,
+            );
+            let (dx_ref, dw_ref) =
+                conv2d_backward_ref(&to_f64(&dy), &to_f64(&x), &to_f64(&w_rounded), &g);
+            assert_close(&format!("bf16 dx {g:?}"), &dx, &dx_ref, 1e-4, 1e-5);
+            assert_close(&format!("bf16 dw {g:?}"), &dw, &dw_ref, 1e-3, 1e-5);
+        }
     }
 
     #[test]

@@ -255,15 +255,48 @@ unsafe fn micro_kernel(kc2: usize, ap: &[u32], l: ALayout, bp: &[u32], c: *mut f
     }
 }
 
+/// The left operand of [`gemm_bf16`]: f32 values to round and pack, or rows
+/// already in bf16 (`words`: `rows` × ⌈k/2⌉ words of k-pairs, the odd tail
+/// zero), which the micro-kernel reads in place.
+#[derive(Clone, Copy)]
+pub enum Lhs<'a> {
+    F32(MatRef<'a>),
+    Bf16Rows {
+        words: &'a [u32],
+        rows: usize,
+        k: usize,
+    },
+}
+
+impl Lhs<'_> {
+    fn dims(&self) -> (usize, usize) {
+        match self {
+            Lhs::F32(a) => (a.rows, a.cols),
+            Lhs::Bf16Rows { rows, k, .. } => (*rows, *k),
+        }
+    }
+}
+
 /// `dst (m, n) row-major [+]= a · b` in bf16 with f32 accumulation.
 ///
 /// Panics when the CPU lacks the instructions ([`available`]) or the views
 /// do not fit their slices; callers check both, so neither is user input.
 pub fn gemm_bf16(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, acc: Accumulate) {
+    gemm_bf16_lhs(dst, Lhs::F32(a), b, acc)
+}
+
+/// [`gemm_bf16`] with the left operand in either form.
+pub fn gemm_bf16_lhs(dst: &mut [f32], a: Lhs<'_>, b: MatRef<'_>, acc: Accumulate) {
     assert!(available(), "gemm_bf16: CPU lacks AVX512-BF16");
-    let (m, k, n) = (a.rows, a.cols, b.cols);
+    let ((m, k), n) = (a.dims(), b.cols);
     assert_eq!(b.rows, k, "gemm_bf16: inner dimensions");
     assert!(dst.len() >= m * n, "gemm_bf16: dst too small");
+    if let Lhs::Bf16Rows { words, .. } = a {
+        assert!(
+            words.len() >= m * k.div_ceil(2),
+            "gemm_bf16: lhs rows too short"
+        );
+    }
     if m == 0 || n == 0 {
         return;
     }
@@ -288,22 +321,52 @@ pub fn gemm_bf16(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, acc: Accumulate)
             for p0 in (0..k).step_by(KC) {
                 let kc = KC.min(k - p0);
                 let kc2 = kc.div_ceil(2);
-                // SAFETY: `available()` was asserted.
-                let layout = unsafe { pack_a(&mut ap, a, i0, mc, p0, kc) };
-                for panel in 0..panels {
-                    let j0 = panel * NR;
-                    let nw = NR.min(n - j0);
-                    let bpanel = &bp[panel * pairs * NR + (p0 / 2) * NR..][..kc2 * NR];
-                    for mp in 0..mc.div_ceil(MR) {
-                        let apanel = &ap[mp * layout.panel..][..layout.panel];
-                        let r0 = mp * MR;
-                        let rows = MR.min(mc - r0);
+                let packed = match a {
+                    // SAFETY: `available()` was asserted.
+                    Lhs::F32(a) => Some(unsafe { pack_a(&mut ap, a, i0, mc, p0, kc) }),
+                    Lhs::Bf16Rows { .. } => None,
+                };
+                for mp in 0..mc.div_ceil(MR) {
+                    let r0 = mp * MR;
+                    let rows = MR.min(mc - r0);
+                    // This micro-panel of A and how it is laid out.
+                    let (apanel, layout): (&[u32], ALayout) = match (a, packed) {
+                        (_, Some(l)) => (&ap[mp * l.panel..][..l.panel], l),
+                        (Lhs::Bf16Rows { words, .. }, None) if rows == MR => {
+                            let l = ALayout {
+                                row: pairs,
+                                pair: 1,
+                                panel: 0,
+                            };
+                            (&words[(i0 + r0) * pairs + p0 / 2..], l)
+                        }
+                        (Lhs::Bf16Rows { words, .. }, None) => {
+                            // The ragged last rows: copy them zero-padded.
+                            let pad = &mut ap[..MR * kc2];
+                            pad.fill(0);
+                            for ii in 0..rows {
+                                let src = &words[(i0 + r0 + ii) * pairs + p0 / 2..][..kc2];
+                                pad[ii * kc2..(ii + 1) * kc2].copy_from_slice(src);
+                            }
+                            let l = ALayout {
+                                row: kc2,
+                                pair: 1,
+                                panel: 0,
+                            };
+                            (&ap[..MR * kc2], l)
+                        }
+                        (Lhs::F32(_), None) => unreachable!("f32 operands are always packed"),
+                    };
+                    for panel in 0..panels {
+                        let j0 = panel * NR;
+                        let nw = NR.min(n - j0);
+                        let bpanel = &bp[panel * pairs * NR + (p0 / 2) * NR..][..kc2 * NR];
                         if rows == MR && nw == NR {
                             let c = drows[r0 * n + j0..].as_mut_ptr();
-                            // SAFETY: `available()` was asserted; a
-                            // micro-panel holds MR rows of kc2 words, a B
-                            // panel kc2·NR words, and the full MR×NR tile
-                            // lies inside `drows` (rows r0.., columns j0..).
+                            // SAFETY: `available()` was asserted; the A
+                            // micro-panel holds MR rows of kc2 words at its
+                            // layout, a B panel kc2·NR words, and the full
+                            // MR×NR tile lies inside `drows`.
                             unsafe { micro_kernel(kc2, apanel, layout, bpanel, c, n) };
                         } else {
                             // A ragged edge: run on a zeroed full tile, then

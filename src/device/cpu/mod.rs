@@ -43,3 +43,23 @@ pub fn gemm(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, acc: Accumulate, math
         _ => gemm_f32(dst, a, b, acc),
     }
 }
+
+/// `dst [+]= a · b` in bf16 with `a` already as bf16 rows: `words` holds
+/// `rows` × ⌈k/2⌉ words, two k-consecutive values per word (lower index in
+/// the low half, an odd tail zero). Only when [`bf16_gemm_available`].
+pub fn gemm_bf16_rows(
+    dst: &mut [f32],
+    words: &[u32],
+    rows: usize,
+    k: usize,
+    b: MatRef<'_>,
+    acc: Accumulate,
+) {
+    #[cfg(target_arch = "x86_64")]
+    bf16_gemm::gemm_bf16_lhs(dst, bf16_gemm::Lhs::Bf16Rows { words, rows, k }, b, acc);
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (dst, words, rows, k, b, acc);
+        unreachable!("gemm_bf16_rows is only called when bf16_gemm_available()")
+    }
+}
