@@ -11,6 +11,7 @@ use rayon::prelude::*;
 
 use crate::device::cpu::{
     Accumulate, GemmMath, MatRef, bf16_gemm_available, f32_to_bf16, gemm, gemm_bf16_rows,
+    gemm_bf16_rows_transposed,
 };
 use crate::error::{Error, Result};
 use crate::profile::{Family, timed};
@@ -391,6 +392,14 @@ pub fn conv2d_backward(
         let dy_tile = MatRef::row_major(&dy[row0 * cout..(row0 + rows) * cout], rows, cout);
         let flops = 2 * (rows * k * cout) as u64;
         timed(Family::ConvWgrad, flops, || {
+            if math == GemmMath::Bf16 && bf16_gemm_available() {
+                // Patches as bf16 rows, read transposed by the GEMM's packing.
+                let words: &mut [u32] = bytemuck::cast_slice_mut(&mut col[..]);
+                im2col_tile_bf16(words, x, g, row0, rows);
+                let used = &words[..rows * k.div_ceil(2)];
+                gemm_bf16_rows_transposed(dw, used, k, rows, dy_tile, Accumulate::Yes);
+                return;
+            }
             im2col_tile(col, x, g, row0, rows);
             let col_t = MatRef::row_major(&col[..rows * k], rows, k).t();
             gemm(dw, col_t, dy_tile, Accumulate::Yes, math);

@@ -210,6 +210,59 @@ fn as_bh(v: __m512i) -> __m512bh {
     unsafe { std::mem::transmute::<__m512i, __m512bh>(v) }
 }
 
+/// Packs rows `i0..i0+mc`, k-block `p0..p0+kc` of the transpose of a bf16
+/// row matrix (`halves`: `k` rows of `m` values, row stride `stride`
+/// halves): a = halvesᵀ, so a k-pair is two consecutive rows and a
+/// micro-panel's MR values are contiguous within each. No rounding: the
+/// values are bf16 already. Rows past `m` and k past the block are zero.
+///
+/// # Safety
+/// The CPU must have AVX-512F ([`available`]).
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn pack_a_bf16_transposed(
+    out: &mut [u32],
+    halves: &[u16],
+    stride: usize,
+    m: usize,
+    i0: usize,
+    mc: usize,
+    p0: usize,
+    kc: usize,
+) -> ALayout {
+    let kc2 = kc.div_ceil(2);
+    for (panel, words) in out
+        .chunks_exact_mut(kc2 * MR)
+        .take(mc.div_ceil(MR))
+        .enumerate()
+    {
+        let r0 = i0 + panel * MR;
+        let rows = MR.min(m - r0.min(m));
+        if rows < MR {
+            words.fill(0);
+        }
+        for (kp, col) in words.chunks_exact_mut(MR).enumerate() {
+            let p = p0 + 2 * kp;
+            let lo = &halves[p * stride + r0..][..rows];
+            if 2 * kp + 1 < kc {
+                let hi = &halves[(p + 1) * stride + r0..][..rows];
+                for (w, (&l, &h)) in col.iter_mut().zip(lo.iter().zip(hi)) {
+                    *w = l as u32 | ((h as u32) << 16);
+                }
+            } else {
+                for (w, &l) in col.iter_mut().zip(lo) {
+                    *w = l as u32;
+                }
+            }
+        }
+    }
+    ALayout {
+        row: 1,
+        pair: MR,
+        panel: MR * kc2,
+    }
+}
+
 /// `c (MR×NR, row stride ldc) += Σ_kp a[·, kp] ⊗ bp[kp]` over `kc2`
 /// k-pairs, with row ii's word for k-pair kp at `ap[ii·l.row + kp·l.pair]`.
 /// The tile of `c` is loaded into the accumulators and stored back once.
@@ -266,6 +319,14 @@ pub enum Lhs<'a> {
         rows: usize,
         k: usize,
     },
+    /// The transpose of such rows: `words` holds `k` rows of ⌈m/2⌉ words
+    /// (m values each, bf16), and the operand is their transpose (m, k) —
+    /// the patches of a weight gradient.
+    Bf16RowsTransposed {
+        words: &'a [u32],
+        m: usize,
+        k: usize,
+    },
 }
 
 impl Lhs<'_> {
@@ -273,6 +334,7 @@ impl Lhs<'_> {
         match self {
             Lhs::F32(a) => (a.rows, a.cols),
             Lhs::Bf16Rows { rows, k, .. } => (*rows, *k),
+            Lhs::Bf16RowsTransposed { m, k, .. } => (*m, *k),
         }
     }
 }
@@ -324,6 +386,20 @@ pub fn gemm_bf16_lhs(dst: &mut [f32], a: Lhs<'_>, b: MatRef<'_>, acc: Accumulate
                 let packed = match a {
                     // SAFETY: `available()` was asserted.
                     Lhs::F32(a) => Some(unsafe { pack_a(&mut ap, a, i0, mc, p0, kc) }),
+                    // SAFETY: as above.
+                    Lhs::Bf16RowsTransposed { words, m, .. } => Some(unsafe {
+                        let halves: &[u16] = bytemuck::cast_slice(words);
+                        pack_a_bf16_transposed(
+                            &mut ap,
+                            halves,
+                            2 * m.div_ceil(2),
+                            m,
+                            i0,
+                            mc,
+                            p0,
+                            kc,
+                        )
+                    }),
                     Lhs::Bf16Rows { .. } => None,
                 };
                 for mp in 0..mc.div_ceil(MR) {
@@ -355,7 +431,9 @@ pub fn gemm_bf16_lhs(dst: &mut [f32], a: Lhs<'_>, b: MatRef<'_>, acc: Accumulate
                             };
                             (&ap[..MR * kc2], l)
                         }
-                        (Lhs::F32(_), None) => unreachable!("f32 operands are always packed"),
+                        (Lhs::F32(_) | Lhs::Bf16RowsTransposed { .. }, None) => {
+                            unreachable!("these operands are always packed")
+                        }
                     };
                     for panel in 0..panels {
                         let j0 = panel * NR;

@@ -44,6 +44,31 @@ pub fn gemm(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, acc: Accumulate, math
     }
 }
 
+/// `dst (m, n) [+]= colsᵀ · b` in bf16, where `words` holds `k` rows of
+/// ⌈m/2⌉ words (m bf16 values each, an odd tail zero): the weight gradient
+/// of bf16 patch rows. Only when [`bf16_gemm_available`].
+pub fn gemm_bf16_rows_transposed(
+    dst: &mut [f32],
+    words: &[u32],
+    m: usize,
+    k: usize,
+    b: MatRef<'_>,
+    acc: Accumulate,
+) {
+    #[cfg(target_arch = "x86_64")]
+    bf16_gemm::gemm_bf16_lhs(
+        dst,
+        bf16_gemm::Lhs::Bf16RowsTransposed { words, m, k },
+        b,
+        acc,
+    );
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (dst, words, m, k, b, acc);
+        unreachable!("gemm_bf16_rows_transposed is only called when bf16_gemm_available()")
+    }
+}
+
 /// `dst [+]= a · b` in bf16 with `a` already as bf16 rows: `words` holds
 /// `rows` × ⌈k/2⌉ words, two k-consecutive values per word (lower index in
 /// the low half, an odd tail zero). Only when [`bf16_gemm_available`].
