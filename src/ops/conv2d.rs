@@ -10,8 +10,8 @@
 use rayon::prelude::*;
 
 use crate::device::cpu::{
-    Accumulate, GemmMath, MatRef, bf16_gemm_available, f32_to_bf16, gemm, gemm_bf16_rows,
-    gemm_bf16_rows_transposed,
+    Accumulate, GemmMath, MatRef, bf16_gemm_available, f32_to_bf16, gemm, gemm_bf16_rounded,
+    gemm_bf16_rows, gemm_bf16_rows_transposed, round_to_bf16,
 };
 use crate::error::{Error, Result};
 use crate::profile::{Family, timed};
@@ -255,7 +255,9 @@ fn check_lens(g: &ConvGeom, y: usize, x: usize, w: usize) {
 
 /// y (n, oh, ow, cout) = conv(x (n, h, w, cin), w (kh, kw, cin, cout)).
 /// `ws` holds at least `g.forward_workspace_len()` floats. `math` is the
-/// GEMM arithmetic (bf16 needs bf16-representable `x` and `w`).
+/// GEMM arithmetic: bf16 takes bf16-representable `x` (the weight is
+/// rounded by the GEMM) and returns `y` rounded to bf16, as a bf16
+/// convolution's output is.
 pub fn conv2d_forward(
     y: &mut [f32],
     x: &[f32],
@@ -280,13 +282,11 @@ fn conv2d_forward_untimed(
     check_lens(g, y.len(), x.len(), w.len());
     let wm = MatRef::row_major(w, g.k(), g.cout);
     if g.is_pointwise() {
-        gemm(
-            y,
-            MatRef::row_major(x, g.rows(), g.cin),
-            wm,
-            Accumulate::No,
-            math,
-        );
+        let xm = MatRef::row_major(x, g.rows(), g.cin);
+        match math {
+            GemmMath::Bf16 => gemm_bf16_rounded(y, xm, wm, Accumulate::No),
+            GemmMath::F32 => gemm(y, xm, wm, Accumulate::No, math),
+        }
         return;
     }
     let (k, tile) = (g.k(), g.tile_rows());
@@ -307,12 +307,16 @@ fn conv2d_forward_untimed(
                 k,
                 wm,
                 Accumulate::No,
+                true,
             );
             continue;
         }
         im2col_tile(ws, x, g, row0, rows);
         let col = MatRef::row_major(&ws[..rows * k], rows, k);
         gemm(y_tile, col, wm, Accumulate::No, math);
+        if math == GemmMath::Bf16 {
+            round_to_bf16(y_tile);
+        }
     }
 }
 
@@ -753,7 +757,10 @@ mod tests {
             let mut y = vec![0.0; g.output_len()];
             conv2d_forward(&mut y, &x, &w, &g, &mut ws, GemmMath::Bf16);
             let y_ref = conv2d_ref(&to_f64(&x), &to_f64(&w_rounded), &g);
-            assert_close(&format!("bf16 y {g:?}"), &y, &y_ref, 1e-4, 1e-5);
+            // The output comes back rounded to bf16: exactly representable,
+            // and within half a bf16 ulp (2^-9 relative) of the exact sum.
+            assert_eq!(round(y.clone()), y, "bf16 y is not rounded");
+            assert_close(&format!("bf16 y {g:?}"), &y, &y_ref, 1e-4, 2f64.powi(-8));
             let (mut dx, mut dw) = (vec![0.0; x.len()], vec![0.0; w.len()]);
             conv2d_backward(
                 Some(&mut dx),

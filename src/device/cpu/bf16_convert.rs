@@ -45,7 +45,7 @@ fn simd() -> bool {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
-fn round16(x: __m512) -> __m512i {
+pub(super) fn round16(x: __m512) -> __m512i {
     let b = _mm512_castps_si512(x);
     let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
     let bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff));

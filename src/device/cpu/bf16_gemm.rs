@@ -24,8 +24,9 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
+use super::bf16_convert::round16;
 use super::gemm::{Accumulate, MatRef};
-use super::{f32_to_bf16, f32_to_bf16_bits, pair_to_bf16};
+use super::{bf16_bits_to_f32, f32_to_bf16, f32_to_bf16_bits, pair_to_bf16};
 
 const MR: usize = 8;
 const NR: usize = 32;
@@ -265,14 +266,25 @@ unsafe fn pack_a_bf16_transposed(
 
 /// `c (MR×NR, row stride ldc) += Σ_kp a[·, kp] ⊗ bp[kp]` over `kc2`
 /// k-pairs, with row ii's word for k-pair kp at `ap[ii·l.row + kp·l.pair]`.
-/// The tile of `c` is loaded into the accumulators and stored back once.
+/// The tile of `c` is loaded into the accumulators and stored back once,
+/// rounded to bf16 when `round` (the last k-block of an output the caller
+/// wants in bf16).
 ///
 /// # Safety
 /// The CPU must have AVX-512F and AVX512-BF16; `ap` must hold every word
 /// the layout addresses for MR rows and `kc2` pairs, `bp` `kc2·NR` words,
 /// and `c` MR rows of NR floats `ldc` apart.
 #[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn micro_kernel(kc2: usize, ap: &[u32], l: ALayout, bp: &[u32], c: *mut f32, ldc: usize) {
+#[allow(clippy::too_many_arguments)]
+unsafe fn micro_kernel(
+    kc2: usize,
+    ap: &[u32],
+    l: ALayout,
+    bp: &[u32],
+    c: *mut f32,
+    ldc: usize,
+    round: bool,
+) {
     debug_assert!(ap.len() > (MR - 1) * l.row + (kc2 - 1) * l.pair && bp.len() >= kc2 * NR);
     let mut acc = [[_mm512_setzero_ps(); 2]; MR];
     for (ii, ci) in acc.iter_mut().enumerate() {
@@ -299,11 +311,18 @@ unsafe fn micro_kernel(kc2: usize, ap: &[u32], l: ALayout, bp: &[u32], c: *mut f
             ci[1] = _mm512_dpbf16_ps(ci[1], av, b1);
         }
     }
+    let finish = |v: __m512| {
+        if round {
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(round16(v)))
+        } else {
+            v
+        }
+    };
     for (ii, ci) in acc.iter().enumerate() {
         // SAFETY: as for the loads.
         unsafe {
-            _mm512_storeu_ps(c.add(ii * ldc), ci[0]);
-            _mm512_storeu_ps(c.add(ii * ldc + 16), ci[1]);
+            _mm512_storeu_ps(c.add(ii * ldc), finish(ci[0]));
+            _mm512_storeu_ps(c.add(ii * ldc + 16), finish(ci[1]));
         }
     }
 }
@@ -344,11 +363,19 @@ impl Lhs<'_> {
 /// Panics when the CPU lacks the instructions ([`available`]) or the views
 /// do not fit their slices; callers check both, so neither is user input.
 pub fn gemm_bf16(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, acc: Accumulate) {
-    gemm_bf16_lhs(dst, Lhs::F32(a), b, acc)
+    gemm_bf16_lhs(dst, Lhs::F32(a), b, acc, false)
 }
 
-/// [`gemm_bf16`] with the left operand in either form.
-pub fn gemm_bf16_lhs(dst: &mut [f32], a: Lhs<'_>, b: MatRef<'_>, acc: Accumulate) {
+/// [`gemm_bf16`] with the left operand in either form; with `round_output`
+/// the result is rounded to bf16 as it is stored (the whole sum, `dst`'s
+/// previous value included when accumulating).
+pub fn gemm_bf16_lhs(
+    dst: &mut [f32],
+    a: Lhs<'_>,
+    b: MatRef<'_>,
+    acc: Accumulate,
+    round_output: bool,
+) {
     assert!(available(), "gemm_bf16: CPU lacks AVX512-BF16");
     let ((m, k), n) = (a.dims(), b.cols);
     assert_eq!(b.rows, k, "gemm_bf16: inner dimensions");
@@ -383,6 +410,7 @@ pub fn gemm_bf16_lhs(dst: &mut [f32], a: Lhs<'_>, b: MatRef<'_>, acc: Accumulate
             for p0 in (0..k).step_by(KC) {
                 let kc = KC.min(k - p0);
                 let kc2 = kc.div_ceil(2);
+                let round = round_output && p0 + kc == k;
                 let packed = match a {
                     // SAFETY: `available()` was asserted.
                     Lhs::F32(a) => Some(unsafe { pack_a(&mut ap, a, i0, mc, p0, kc) }),
@@ -445,19 +473,30 @@ pub fn gemm_bf16_lhs(dst: &mut [f32], a: Lhs<'_>, b: MatRef<'_>, acc: Accumulate
                             // micro-panel holds MR rows of kc2 words at its
                             // layout, a B panel kc2·NR words, and the full
                             // MR×NR tile lies inside `drows`.
-                            unsafe { micro_kernel(kc2, apanel, layout, bpanel, c, n) };
+                            unsafe { micro_kernel(kc2, apanel, layout, bpanel, c, n, round) };
                         } else {
                             // A ragged edge: run on a zeroed full tile, then
                             // add its valid part.
                             tile.fill(0.0);
                             // SAFETY: as above; `tile` is MR×NR.
                             unsafe {
-                                micro_kernel(kc2, apanel, layout, bpanel, tile.as_mut_ptr(), NR)
+                                micro_kernel(
+                                    kc2,
+                                    apanel,
+                                    layout,
+                                    bpanel,
+                                    tile.as_mut_ptr(),
+                                    NR,
+                                    false,
+                                )
                             };
                             for (ii, trow) in tile.chunks_exact(NR).take(rows).enumerate() {
                                 let drow = &mut drows[(r0 + ii) * n + j0..][..nw];
                                 for (d, t) in drow.iter_mut().zip(trow) {
                                     *d += t;
+                                    if round {
+                                        *d = bf16_bits_to_f32(f32_to_bf16_bits(*d));
+                                    }
                                 }
                             }
                         }

@@ -61,6 +61,7 @@ pub fn gemm_bf16_rows_transposed(
         bf16_gemm::Lhs::Bf16RowsTransposed { words, m, k },
         b,
         acc,
+        false,
     );
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -71,7 +72,8 @@ pub fn gemm_bf16_rows_transposed(
 
 /// `dst [+]= a · b` in bf16 with `a` already as bf16 rows: `words` holds
 /// `rows` × ⌈k/2⌉ words, two k-consecutive values per word (lower index in
-/// the low half, an odd tail zero). Only when [`bf16_gemm_available`].
+/// the low half, an odd tail zero). With `round_output` the result is
+/// stored rounded to bf16. Only when [`bf16_gemm_available`].
 pub fn gemm_bf16_rows(
     dst: &mut [f32],
     words: &[u32],
@@ -79,12 +81,31 @@ pub fn gemm_bf16_rows(
     k: usize,
     b: MatRef<'_>,
     acc: Accumulate,
+    round_output: bool,
 ) {
     #[cfg(target_arch = "x86_64")]
-    bf16_gemm::gemm_bf16_lhs(dst, bf16_gemm::Lhs::Bf16Rows { words, rows, k }, b, acc);
+    bf16_gemm::gemm_bf16_lhs(
+        dst,
+        bf16_gemm::Lhs::Bf16Rows { words, rows, k },
+        b,
+        acc,
+        round_output,
+    );
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (dst, words, rows, k, b, acc);
+        let _ = (dst, words, rows, k, b, acc, round_output);
         unreachable!("gemm_bf16_rows is only called when bf16_gemm_available()")
     }
+}
+
+/// [`gemm`] in bf16 with the result stored rounded to bf16 (the native
+/// kernel rounds as it stores; the fallback rounds after the f32 GEMM).
+pub fn gemm_bf16_rounded(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, acc: Accumulate) {
+    #[cfg(target_arch = "x86_64")]
+    if bf16_gemm_available() {
+        bf16_gemm::gemm_bf16_lhs(dst, bf16_gemm::Lhs::F32(a), b, acc, true);
+        return;
+    }
+    gemm_f32(dst, a, b, acc);
+    round_to_bf16(&mut dst[..a.rows * b.cols]);
 }
