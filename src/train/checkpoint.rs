@@ -62,9 +62,38 @@ pub fn list_checkpoints(dir: &Path) -> Result<Vec<(usize, PathBuf)>> {
     Ok(out)
 }
 
+/// The newest checkpoint in `dir`, if it holds any.
+pub fn newest_checkpoint(dir: &Path) -> Option<PathBuf> {
+    list_checkpoints(dir).ok()?.pop().map(|(_, p)| p)
+}
+
+/// Checks, before training starts, that checkpoints can be written to `dir`
+/// (creating it if needed): a run should not train for hours and then find
+/// out. Writes and removes a small probe file.
+pub fn check_save_dir(dir: &Path) -> Result<()> {
+    let bad = |reason: String| Error::Io {
+        path: dir.display().to_string(),
+        reason,
+    };
+    if dir.exists() && !dir.is_dir() {
+        return Err(bad("--save-dir exists and is not a directory".into()));
+    }
+    std::fs::create_dir_all(dir)
+        .map_err(|e| bad(format!("cannot create the checkpoint directory: {e}")))?;
+    let probe = dir.join(format!(".memfit-write-probe-{}", std::process::id()));
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&probe)
+        .and_then(|mut f| std::io::Write::write_all(&mut f, b"probe"));
+    let _ = std::fs::remove_file(&probe);
+    written.map_err(|e| bad(format!("cannot write checkpoints into this directory: {e}")))
+}
+
 /// Writes the state after optimizer step `step` (atomically: a failed write
-/// leaves the previous checkpoints as they were), then deletes all but the
-/// newest `keep`.
+/// leaves the previous checkpoints as they were, and the error, an
+/// [`Error::CheckpointWrite`], names the newest of them), then deletes all
+/// but the newest `keep`.
 pub fn save_checkpoint(
     dir: &Path,
     model: &mut ResNet,
@@ -74,9 +103,17 @@ pub fn save_checkpoint(
     fingerprint: &str,
     keep: usize,
 ) -> Result<PathBuf> {
-    std::fs::create_dir_all(dir).map_err(|e| Error::Io {
-        path: dir.display().to_string(),
-        reason: format!("cannot create the checkpoint directory: {e}"),
+    let path = checkpoint_path(dir, step);
+    let failed = |reason: String| Error::CheckpointWrite {
+        path: path.display().to_string(),
+        reason,
+        last_good: newest_checkpoint(dir).map(|p| p.display().to_string()),
+    };
+    std::fs::create_dir_all(dir).map_err(|e| {
+        failed(format!(
+            "cannot create the checkpoint directory '{}': {e}",
+            dir.display()
+        ))
     })?;
     let (buffers, steps) = optimizer.state();
     let extras: Vec<(String, Vec<usize>, &[f32])> = buffers
@@ -97,8 +134,12 @@ pub fn save_checkpoint(
             s.growth_interval.to_string(),
         );
     }
-    let path = checkpoint_path(dir, step);
-    save_state_dict_with(model, &extras, meta, &path)?;
+    // The write is atomic, so on failure the older checkpoints are as they
+    // were; the error says which one to resume from.
+    save_state_dict_with(model, &extras, meta, &path).map_err(|e| match e {
+        Error::Io { reason, .. } => failed(reason),
+        other => other,
+    })?;
     let all = list_checkpoints(dir)?;
     for (_, old) in all.iter().take(all.len().saturating_sub(keep.max(1))) {
         let _ = std::fs::remove_file(old);
