@@ -783,3 +783,67 @@ fn a_diverging_run_stops_naming_the_step_and_keeps_the_last_good_checkpoint() {
         }
     }
 }
+
+// ---------- checkpoints ----------
+
+/// A checkpoint edited by hand (or by a bad disk) is refused on --resume,
+/// naming the file: a non-positive loss scale, optimizer buffers of the
+/// wrong size, and a plain weights file.
+#[test]
+fn corrupt_checkpoints_are_refused_on_resume_naming_the_file() {
+    let t = TempDir::new("bad-ckpt");
+    let dir = t.0.join("ckpt");
+    let d = dir.to_str().unwrap();
+    let mut run = ckpt_run(d);
+    run.extend(["--precision", "f16"]);
+    let (code, out, err) = memfit(&run);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let good = dir.join("ckpt-00000004.safetensors");
+    let bytes = std::fs::read(&good).unwrap();
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let meta: std::collections::HashMap<String, String> = meta.metadata().clone().unwrap();
+    let entries = read_raw(&good);
+    let rewrite = |name: &str,
+                   entries: &BTreeMap<String, Raw>,
+                   meta: &std::collections::HashMap<String, String>| {
+        let p = t.0.join(name);
+        let b = safetensors::serialize(
+            entries.iter().map(|(n, r)| (n.as_str(), r)),
+            Some(meta.clone()),
+        )
+        .unwrap();
+        std::fs::write(&p, b).unwrap();
+        p
+    };
+    let resume = |p: &Path, needles: &[&str]| {
+        let mut a = run.clone();
+        a.extend(["--resume", p.to_str().unwrap()]);
+        let mut all = vec![p.to_str().unwrap()];
+        all.extend_from_slice(needles);
+        fails_with(&a, &[], &all);
+    };
+    for scale in ["NaN", "-1", "0", "inf"] {
+        let mut m = meta.clone();
+        m.insert("scaler_scale".into(), scale.into());
+        let p = rewrite(&format!("scale-{scale}.safetensors"), &entries, &m);
+        resume(
+            &p,
+            &[&format!("scaler_scale '{scale}' is not a positive number")],
+        );
+    }
+    let mut e = read_raw(&good);
+    let m0 = e.get_mut("optimizer.momentum.0").expect("momentum buffer");
+    m0.shape = vec![1];
+    m0.bytes.truncate(4);
+    let p = rewrite("short-momentum.safetensors", &e, &meta);
+    resume(&p, &["optimizer state does not match the model"]);
+    resume(
+        &good_weights(&t.0),
+        &["is a weights file, not a training checkpoint"],
+    );
+    // The untouched checkpoint still resumes (the run is already complete).
+    let mut a = run.clone();
+    a.extend(["--resume", good.to_str().unwrap()]);
+    let (code, out, err) = memfit(&a);
+    assert_eq!(code, 0, "{out}\n{err}");
+}

@@ -231,18 +231,30 @@ pub fn load_checkpoint(
     let steps = number("optimizer_steps")?;
     let scaler = match meta("scaler_scale") {
         Some(s) => Some(GradScaler {
+            // A NaN, zero or negative scale would silently skip or corrupt
+            // every following step.
             scale: s
                 .parse()
-                .map_err(|_| bad(format!("scaler_scale '{s}' is not a number")))?,
+                .ok()
+                .filter(|v: &f32| v.is_finite() && *v > 0.0)
+                .ok_or_else(|| bad(format!("scaler_scale '{s}' is not a positive number")))?,
             growth_tracker: number("scaler_growth_tracker")? as u32,
             ..GradScaler::new(1.0, number("scaler_growth_interval")? as u32)
         }),
         None => None,
     };
     load_state_dict(model, &file, &["optimizer."])?;
-    optimizer.load_state(pool, model, steps, |name| {
-        file.f32(name).ok().map(|(_, v)| v.to_vec())
-    })?;
+    optimizer
+        .load_state(pool, model, steps, |name| {
+            file.f32(name).ok().map(|(_, v)| v.to_vec())
+        })
+        .map_err(|e| match e {
+            // The pool's own refusals (a budget) stay as they are.
+            Error::ShapeMismatch { .. } | Error::InvalidArgument { .. } => {
+                bad(format!("optimizer state does not match the model: {e}"))
+            }
+            other => other,
+        })?;
     Ok(Resume { step, scaler, path })
 }
 
