@@ -684,6 +684,23 @@ fn an_unusable_save_dir_or_weights_path_fails_before_training() {
     assert!(!out.contains("epoch 1"), "trained first:\n{out}");
 }
 
+/// A SIGKILL in the middle of a write leaves its temporary file; the next
+/// run into that directory removes it (and only it) before training.
+#[test]
+fn temporaries_of_killed_writes_are_removed_by_the_next_run() {
+    let t = TempDir::new("stale-tmp");
+    let dir = t.0.join("ckpt");
+    let stale = dir.join(".ckpt-00000002.safetensors.12345.678.tmp");
+    let other = dir.join(".keep-me.tmp");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(&stale, b"half a checkpoint").unwrap();
+    std::fs::write(&other, b"not ours").unwrap();
+    let (code, out, err) = memfit(&ckpt_run(dir.to_str().unwrap()));
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(!stale.exists(), "stale temporary kept");
+    assert!(other.exists(), "a file that is not ours was removed");
+}
+
 #[cfg(unix)]
 #[test]
 fn a_read_only_save_dir_fails_before_training_where_enforced() {

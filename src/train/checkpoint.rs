@@ -80,6 +80,7 @@ pub fn check_save_dir(dir: &Path) -> Result<()> {
     }
     std::fs::create_dir_all(dir)
         .map_err(|e| bad(format!("cannot create the checkpoint directory: {e}")))?;
+    remove_stale_temporaries(dir);
     let probe = dir.join(format!(".memfit-write-probe-{}", std::process::id()));
     let written = std::fs::OpenOptions::new()
         .write(true)
@@ -88,6 +89,22 @@ pub fn check_save_dir(dir: &Path) -> Result<()> {
         .and_then(|mut f| std::io::Write::write_all(&mut f, b"probe"));
     let _ = std::fs::remove_file(&probe);
     written.map_err(|e| bad(format!("cannot write checkpoints into this directory: {e}")))
+}
+
+/// Removes the temporary files of checkpoint writes that a killed run left
+/// (`.ckpt-<step>.safetensors.<pid>.<nanos>.tmp`, see `write_atomic`).
+/// Called before a run starts writing: one run owns a save directory (the
+/// retention of two runs sharing one would delete each other's files too).
+fn remove_stale_temporaries(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().to_string();
+        if name.starts_with(&format!(".{PREFIX}")) && name.ends_with(".tmp") {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
 }
 
 /// Writes the state after optimizer step `step` (atomically: a failed write
