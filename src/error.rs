@@ -41,6 +41,16 @@ pub enum Error {
     #[error("{path}: {reason}")]
     BadData { path: String, reason: String },
 
+    #[error(
+        "{what}: all {skipped} images were unreadable (see the warnings above); nothing to {verb}"
+    )]
+    NoReadableImages {
+        /// "epoch 3" or "validation".
+        what: String,
+        skipped: usize,
+        verb: &'static str,
+    },
+
     // === Interruption ===
     #[error("interrupted after optimizer step {step}; {}", match checkpoint {
         Some(p) => format!("resume with --resume {p}"),
@@ -51,9 +61,41 @@ pub enum Error {
         checkpoint: Option<String>,
     },
 
+    /// A checkpoint could not be written. Training stops: going on would
+    /// leave the run unprotected without anyone noticing.
+    #[error(
+        "{path}: cannot save the checkpoint: {reason}; training stopped. {}",
+        last_good_sentence(last_good)
+    )]
+    CheckpointWrite {
+        path: String,
+        reason: String,
+        /// The newest checkpoint still on disk (untouched by the failure).
+        last_good: Option<String>,
+    },
+
     // === Numerics ===
-    #[error("non-finite loss {loss} at step {step}")]
-    NonFiniteLoss { step: usize, loss: f32 },
+    #[error(
+        "non-finite {what} at optimizer step {step} (loss {loss}); the step was not applied. {}",
+        last_good_sentence(last_good)
+    )]
+    NonFiniteLoss {
+        step: usize,
+        loss: f32,
+        /// What was non-finite first: the loss, a gradient or a batch norm
+        /// running statistic.
+        what: &'static str,
+        /// The newest checkpoint in the save directory, if any.
+        last_good: Option<String>,
+    },
+}
+
+/// The end of a message about a run that stopped: where it can go on from.
+fn last_good_sentence(last_good: &Option<String>) -> String {
+    match last_good {
+        Some(p) => format!("The last good checkpoint is {p} (resume with --resume {p})"),
+        None => "No checkpoint was saved before this point".to_string(),
+    }
 }
 
 impl Error {

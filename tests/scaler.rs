@@ -9,7 +9,7 @@ mod common;
 
 use memfit::data::SyntheticGratings;
 use memfit::memory::Pool;
-use memfit::nn::{BlockKind, Precision, ResNet, ResNetConfig};
+use memfit::nn::{BlockKind, Precision, ResNet, ResNetConfig, StateSlot};
 use memfit::optim::{GradScaler, LrSchedule, Optimizer, Schedule, Sgd};
 use memfit::train::{TrainOptions, fit};
 
@@ -121,22 +121,27 @@ fn without_a_scaler_a_non_finite_gradient_stops_or_is_skipped() {
         o.scaler = None;
         o.nan_policy = policy;
         let r = fit(&mut model, &pool, &mut opt, &data, &data, &o, |_| {});
+        // Parameters, BN running statistics and counters: a dropped step
+        // must leave none of them changed.
         let mut w = Vec::new();
-        model.visit_params(|p| {
-            w.push(
-                p.value
+        model.visit_state(|slot| {
+            w.push(match slot {
+                StateSlot::Param { param, .. } => param
+                    .value
                     .f32()
                     .iter()
-                    .map(|v| v.to_bits())
-                    .collect::<Vec<_>>(),
-            )
+                    .map(|v| v.to_bits() as u64)
+                    .collect(),
+                StateSlot::Buffer { data, .. } => data.iter().map(|v| v.to_bits() as u64).collect(),
+                StateSlot::Count { value, .. } => vec![*value as u64],
+            })
         });
         (r.map(|_| ()), w)
     };
     use memfit::train::NanPolicy::{Skip, Stop};
     let (r, w) = run(Stop, 3, vec![2]);
     let err = r.unwrap_err().to_string();
-    assert!(err.contains("at step 2"), "{err}");
+    assert!(err.contains("at optimizer step 2"), "{err}");
     assert_eq!(
         w,
         run(Stop, 1, vec![]).1,

@@ -20,7 +20,7 @@ use memfit::memory::{Category, MemoryStats, Pool, Tag, fmt_bytes, parse_bytes};
 use memfit::nn::{BnPolicy, Precision, ResNet, ResNetConfig, StemKind};
 use memfit::optim::{AdamW, GradScaler, LrSchedule, Schedule, Sgd};
 use memfit::plan::{PlanRequest, Strategy, report, resolve, simulate_training};
-use memfit::train::checkpoint::load_checkpoint;
+use memfit::train::checkpoint::{check_save_dir, load_checkpoint};
 use memfit::train::{NanPolicy, Optimizer, TrainOptions, evaluate, fit};
 
 #[derive(Parser)]
@@ -993,6 +993,11 @@ struct Data {
 
 /// (train, validation) sets at the requested image size.
 fn load_data(a: &DataArgs, seed: u64) -> Result<Data> {
+    // Before any data is generated or resized: a zero side would reach the
+    // kernels as empty tensors.
+    if a.image_size == Some(0) {
+        bail!("--image-size must be at least 1");
+    }
     let builtin = ["digits", "fashion-mnist", "synthetic"].contains(&a.data.as_str());
     if !builtin {
         return load_folders(a, seed);
@@ -1052,9 +1057,6 @@ fn load_folders(a: &DataArgs, seed: u64) -> Result<Data> {
         );
     }
     let size = a.image_size.unwrap_or(224);
-    if size == 0 {
-        bail!("--image-size must be at least 1");
-    }
     let folder = ImageFolder::scan(&root)?;
     let (train, val) = match &a.val_data {
         Some(v) => {
@@ -1238,6 +1240,15 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
         print!("{}", report(&resolved, a.batch_size));
         return Ok(());
     }
+    check_bn_values(&model, bn, a.batch_size, resolved.micro_batch, size)?;
+    // Where the results go is checked before the first step, not after the
+    // last one.
+    if let Some(dir) = &a.save_dir {
+        check_save_dir(dir)?;
+    }
+    if let Some(path) = &a.save_weights {
+        check_output_file(path, "--save-weights")?;
+    }
     println!(
         "plan: {} at micro-batch {} x {} step(s), {}{}; predicted peak {}",
         resolved.plan,
@@ -1394,7 +1405,62 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
     Ok(())
 }
 
+/// PyTorch's rule for batch norm in training: every channel needs more than
+/// one value (`Expected more than 1 value per channel when training`). With
+/// 1x1 maps before the head that means micro-batches of at least 2; memfit
+/// would otherwise normalise every value to 0 and train on nothing.
+fn check_bn_values(
+    model: &ResNet,
+    bn: BnPolicy,
+    batch: usize,
+    micro: usize,
+    size: usize,
+) -> Result<()> {
+    if bn != BnPolicy::Batch {
+        return Ok(());
+    }
+    let inputs = model.stage_inputs(size, size);
+    // The head's input: the smallest map any batch norm sees.
+    let (h, w, _) = inputs[inputs.len() - 2];
+    let smallest = micro.min(match batch % micro {
+        0 => micro,
+        r => r,
+    });
+    if smallest * h * w < 2 {
+        bail!(
+            "batch norm needs more than one value per channel in training, but {size}x{size} images leave {h}x{w} maps before the head and a micro-batch can hold 1 image (batch {batch}, micro-batch {micro}): use micro-batches of at least 2 images (and a batch size that is not 1 more than a multiple of them), larger images, or --bn frozen"
+        );
+    }
+    Ok(())
+}
+
+/// The file `path` can be created: its folder exists and it is not a
+/// folder itself.
+fn check_output_file(path: &std::path::Path, flag: &str) -> Result<()> {
+    if path.is_dir() {
+        bail!(
+            "{flag} {}: is a directory, expected a file path",
+            path.display()
+        );
+    }
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => std::path::Path::new("."),
+    };
+    if !dir.is_dir() {
+        bail!(
+            "{flag} {}: the folder '{}' does not exist or is not a directory",
+            path.display(),
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
 fn eval(a: EvalArgs) -> Result<()> {
+    if a.batch_size == 0 {
+        bail!("--batch-size must be at least 1");
+    }
     let pool = Pool::new();
     let data = load_data(&a.data, a.seed)?;
     let (val_set, size) = (&*data.val, data.size);

@@ -36,6 +36,25 @@ impl std::fmt::Debug for RgbImage {
 /// ask for; it is zune-jpeg's own default limit.
 pub const MAX_SIDE: usize = 1 << 14;
 
+/// The decoded bytes a file of `len` bytes may claim: a fixed allowance
+/// plus 1100 per input byte (deflate cannot exceed 1032:1, and a JPEG needs
+/// at least a few bits per 16x16 block). Without it a 100-byte header could
+/// ask for 16384x16384x3 = 805 MB before the decoder finds the data missing.
+pub fn max_decoded_bytes(len: usize) -> usize {
+    (16usize << 20).saturating_add(len.saturating_mul(1100))
+}
+
+/// Refuses a header whose `h`x`w` image would decode to `claim` bytes,
+/// more than [`max_decoded_bytes`] of a `len`-byte file.
+fn check_claim(claim: usize, h: usize, w: usize, len: usize) -> std::result::Result<(), String> {
+    if claim > max_decoded_bytes(len) {
+        return Err(format!(
+            "header claims {h}x{w} pixels ({claim} bytes decoded), more than a {len}-byte file can hold"
+        ));
+    }
+    Ok(())
+}
+
 const JPEG_MAGIC: &[u8] = &[0xFF, 0xD8, 0xFF];
 const PNG_MAGIC: &[u8] = &[0x89, b'P', b'N', b'G', b'\r', b'\n', 0x1A, b'\n'];
 
@@ -81,6 +100,7 @@ fn decode_jpeg(bytes: &[u8]) -> std::result::Result<RgbImage, String> {
     let mut d = JpegDecoder::new_with_options(ZCursor::new(bytes), options);
     d.decode_headers().map_err(|e| e.to_string())?;
     let (w, h) = d.dimensions().ok_or("no frame header")?;
+    check_claim(h.saturating_mul(w).saturating_mul(3), h, w, bytes.len())?;
     let len = d.output_buffer_size().ok_or("image too large")?;
     if len != h * w * 3 {
         return Err(format!(
@@ -104,6 +124,7 @@ fn decode_png(bytes: &[u8]) -> std::result::Result<RgbImage, String> {
         return Err(format!("{h}x{w} exceeds the {MAX_SIDE} pixel side limit"));
     }
     let len = reader.output_buffer_size().ok_or("image too large")?;
+    check_claim(len, h, w, bytes.len())?;
     let mut buf = vec![0u8; len];
     let frame = reader.next_frame(&mut buf).map_err(|e| e.to_string())?;
     if frame.bit_depth != BitDepth::Eight {

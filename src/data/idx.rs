@@ -31,6 +31,10 @@ pub struct IdxImages {
 /// Reads an IDX u8 image file (magic 0x00000803), gzip or plain.
 pub fn read_idx_images(path: &Path) -> Result<IdxImages> {
     let (dims, payload) = read_idx(path, IDX_IMAGES_MAGIC, "images")?;
+    images_from(path, dims, payload)
+}
+
+fn images_from(path: &Path, dims: Vec<usize>, payload: Vec<u8>) -> Result<IdxImages> {
     let (n, rows, cols) = (dims[0], dims[1], dims[2]);
     if (rows == 0 || cols == 0) && n > 0 {
         return Err(bad(path, format!("images of size {rows}x{cols}")));
@@ -125,6 +129,41 @@ fn bad(path: &Path, reason: impl Into<String>) -> Error {
     }
 }
 
+/// Parses the bytes of an IDX u8 image file (plain or gzip); `path` only
+/// names it in errors. The file-free entry point of [`read_idx_images`].
+pub fn parse_idx_images(bytes: Vec<u8>, path: &Path) -> Result<IdxImages> {
+    let (dims, payload) = parse_idx(bytes, path, IDX_IMAGES_MAGIC, "images")?;
+    images_from(path, dims, payload)
+}
+
+/// Parses the bytes of an IDX u8 label file (plain or gzip).
+pub fn parse_idx_labels(bytes: Vec<u8>, path: &Path) -> Result<Vec<u8>> {
+    Ok(parse_idx(bytes, path, IDX_LABELS_MAGIC, "labels")?.1)
+}
+
+/// How far past the size its header declares a gzip stream is inflated:
+/// enough to count a few stray bytes, never a decompression bomb.
+const GZIP_SLACK: usize = 1 << 20;
+
+/// Inflates at most `limit` bytes of `raw`.
+fn gunzip(raw: &[u8], limit: usize, path: &Path) -> Result<Vec<u8>> {
+    let mut out = Vec::new();
+    GzDecoder::new(raw)
+        .take(limit as u64)
+        .read_to_end(&mut out)
+        .map_err(|e| bad(path, format!("bad gzip data: {e}")))?;
+    Ok(out)
+}
+
+/// The element count an IDX header declares, if `head` holds a whole one.
+fn declared_len(head: &[u8], ndims: usize) -> Option<usize> {
+    (0..ndims).try_fold(1usize, |acc, d| {
+        let o = 4 + 4 * d;
+        let b = head.get(o..o + 4)?;
+        acc.checked_mul(u32::from_be_bytes([b[0], b[1], b[2], b[3]]) as usize)
+    })
+}
+
 /// Reads the whole file (gunzipping if needed), checks the magic and that the
 /// element count in the header matches the bytes after it exactly. Returns
 /// the dimensions and the element bytes.
@@ -133,6 +172,18 @@ fn read_idx(path: &Path, expected_magic: u32, what: &str) -> Result<(Vec<usize>,
         path: path.display().to_string(),
         reason: format!("cannot read IDX {what} file: {e}"),
     })?;
+    parse_idx(raw, path, expected_magic, what)
+}
+
+/// [`read_idx`] on bytes. A gzip stream is inflated only as far as its
+/// header says (plus [`GZIP_SLACK`]), so a small hostile file cannot make
+/// it allocate gigabytes.
+fn parse_idx(
+    raw: Vec<u8>,
+    path: &Path,
+    expected_magic: u32,
+    what: &str,
+) -> Result<(Vec<usize>, Vec<u8>)> {
     if raw.is_empty() {
         return Err(bad(
             path,
@@ -141,10 +192,12 @@ fn read_idx(path: &Path, expected_magic: u32, what: &str) -> Result<(Vec<usize>,
     }
     let gz = raw.starts_with(&[0x1f, 0x8b]);
     let data = if gz {
-        let mut out = Vec::new();
-        GzDecoder::new(raw.as_slice())
-            .read_to_end(&mut out)
-            .map_err(|e| bad(path, format!("bad gzip data: {e}")))?;
+        let header = 4 + 4 * (expected_magic & 0xff) as usize;
+        let head = gunzip(&raw, header, path)?;
+        let limit = declared_len(&head, (expected_magic & 0xff) as usize)
+            .and_then(|n| n.checked_add(header + GZIP_SLACK))
+            .unwrap_or(header);
+        let out = gunzip(&raw, limit, path)?;
         if out.is_empty() {
             return Err(bad(
                 path,

@@ -26,7 +26,7 @@ pub mod loader;
 pub mod resize;
 pub mod transform;
 
-pub use decode::{RgbImage, decode_rgb, load_rgb};
+pub use decode::{RgbImage, decode_rgb, load_rgb, max_decoded_bytes};
 pub use digits::{DIGITS_CLASSES, DIGITS_LEN, DIGITS_SIZE, load_digits};
 pub use fashion::{
     FASHION_MNIST_CLASSES, FASHION_MNIST_DEBIAN_DIR, FASHION_MNIST_ENV, FASHION_MNIST_MEAN,
@@ -34,7 +34,9 @@ pub use fashion::{
     load_fashion_mnist,
 };
 pub use folder::{IMAGE_EXTENSIONS, ImageFolder, Sample, skip_warning};
-pub use idx::{IdxImages, idx_to_dataset, read_idx_images, read_idx_labels};
+pub use idx::{
+    IdxImages, idx_to_dataset, parse_idx_images, parse_idx_labels, read_idx_images, read_idx_labels,
+};
 pub use loader::{Batch, Batches, Dataset, ImageFolderDataset, Loader};
 pub use resize::{Window, resize_bilinear, resize_crop_u8};
 pub use transform::{

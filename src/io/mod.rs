@@ -44,6 +44,12 @@ pub struct TensorFile {
 impl TensorFile {
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path_s = path.as_ref().display().to_string();
+        if path.as_ref().is_dir() {
+            return Err(Error::Io {
+                path: path_s,
+                reason: "is a directory, expected a .safetensors file".into(),
+            });
+        }
         let bytes = std::fs::read(path.as_ref()).map_err(|e| Error::Io {
             path: path_s.clone(),
             reason: e.to_string(),

@@ -62,9 +62,55 @@ pub fn list_checkpoints(dir: &Path) -> Result<Vec<(usize, PathBuf)>> {
     Ok(out)
 }
 
+/// The newest checkpoint in `dir`, if it holds any.
+pub fn newest_checkpoint(dir: &Path) -> Option<PathBuf> {
+    list_checkpoints(dir).ok()?.pop().map(|(_, p)| p)
+}
+
+/// Checks, before training starts, that checkpoints can be written to `dir`
+/// (creating it if needed): a run should not train for hours and then find
+/// out. Writes and removes a small probe file.
+pub fn check_save_dir(dir: &Path) -> Result<()> {
+    let bad = |reason: String| Error::Io {
+        path: dir.display().to_string(),
+        reason,
+    };
+    if dir.exists() && !dir.is_dir() {
+        return Err(bad("--save-dir exists and is not a directory".into()));
+    }
+    std::fs::create_dir_all(dir)
+        .map_err(|e| bad(format!("cannot create the checkpoint directory: {e}")))?;
+    remove_stale_temporaries(dir);
+    let probe = dir.join(format!(".memfit-write-probe-{}", std::process::id()));
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&probe)
+        .and_then(|mut f| std::io::Write::write_all(&mut f, b"probe"));
+    let _ = std::fs::remove_file(&probe);
+    written.map_err(|e| bad(format!("cannot write checkpoints into this directory: {e}")))
+}
+
+/// Removes the temporary files of checkpoint writes that a killed run left
+/// (`.ckpt-<step>.safetensors.<pid>.<nanos>.tmp`, see `write_atomic`).
+/// Called before a run starts writing: one run owns a save directory (the
+/// retention of two runs sharing one would delete each other's files too).
+fn remove_stale_temporaries(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().to_string();
+        if name.starts_with(&format!(".{PREFIX}")) && name.ends_with(".tmp") {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
 /// Writes the state after optimizer step `step` (atomically: a failed write
-/// leaves the previous checkpoints as they were), then deletes all but the
-/// newest `keep`.
+/// leaves the previous checkpoints as they were, and the error, an
+/// [`Error::CheckpointWrite`], names the newest of them), then deletes all
+/// but the newest `keep`.
 pub fn save_checkpoint(
     dir: &Path,
     model: &mut ResNet,
@@ -74,9 +120,17 @@ pub fn save_checkpoint(
     fingerprint: &str,
     keep: usize,
 ) -> Result<PathBuf> {
-    std::fs::create_dir_all(dir).map_err(|e| Error::Io {
-        path: dir.display().to_string(),
-        reason: format!("cannot create the checkpoint directory: {e}"),
+    let path = checkpoint_path(dir, step);
+    let failed = |reason: String| Error::CheckpointWrite {
+        path: path.display().to_string(),
+        reason,
+        last_good: newest_checkpoint(dir).map(|p| p.display().to_string()),
+    };
+    std::fs::create_dir_all(dir).map_err(|e| {
+        failed(format!(
+            "cannot create the checkpoint directory '{}': {e}",
+            dir.display()
+        ))
     })?;
     let (buffers, steps) = optimizer.state();
     let extras: Vec<(String, Vec<usize>, &[f32])> = buffers
@@ -97,8 +151,12 @@ pub fn save_checkpoint(
             s.growth_interval.to_string(),
         );
     }
-    let path = checkpoint_path(dir, step);
-    save_state_dict_with(model, &extras, meta, &path)?;
+    // The write is atomic, so on failure the older checkpoints are as they
+    // were; the error says which one to resume from.
+    save_state_dict_with(model, &extras, meta, &path).map_err(|e| match e {
+        Error::Io { reason, .. } => failed(reason),
+        other => other,
+    })?;
     let all = list_checkpoints(dir)?;
     for (_, old) in all.iter().take(all.len().saturating_sub(keep.max(1))) {
         let _ = std::fs::remove_file(old);
@@ -190,18 +248,30 @@ pub fn load_checkpoint(
     let steps = number("optimizer_steps")?;
     let scaler = match meta("scaler_scale") {
         Some(s) => Some(GradScaler {
+            // A NaN, zero or negative scale would silently skip or corrupt
+            // every following step.
             scale: s
                 .parse()
-                .map_err(|_| bad(format!("scaler_scale '{s}' is not a number")))?,
+                .ok()
+                .filter(|v: &f32| v.is_finite() && *v > 0.0)
+                .ok_or_else(|| bad(format!("scaler_scale '{s}' is not a positive number")))?,
             growth_tracker: number("scaler_growth_tracker")? as u32,
             ..GradScaler::new(1.0, number("scaler_growth_interval")? as u32)
         }),
         None => None,
     };
     load_state_dict(model, &file, &["optimizer."])?;
-    optimizer.load_state(pool, model, steps, |name| {
-        file.f32(name).ok().map(|(_, v)| v.to_vec())
-    })?;
+    optimizer
+        .load_state(pool, model, steps, |name| {
+            file.f32(name).ok().map(|(_, v)| v.to_vec())
+        })
+        .map_err(|e| match e {
+            // The pool's own refusals (a budget) stay as they are.
+            Error::ShapeMismatch { .. } | Error::InvalidArgument { .. } => {
+                bad(format!("optimizer state does not match the model: {e}"))
+            }
+            other => other,
+        })?;
     Ok(Resume { step, scaler, path })
 }
 

@@ -16,7 +16,7 @@ use crate::data::{Dataset, Loader};
 use crate::error::{Error, Result};
 use crate::exec::{LossOptions, Plan, StepOutput, forward_backward, forward_eval};
 use crate::memory::{Category, MemoryStats, Pool, Tag, write_timeline_csv};
-use crate::nn::ResNet;
+use crate::nn::{ResNet, StateSlot};
 use crate::ops::cross_entropy::cross_entropy_forward_backward;
 pub use crate::optim::Optimizer;
 use crate::optim::{GradScaler, LrSchedule, ScalerStep, clip_grad_norm};
@@ -142,6 +142,57 @@ fn grads_finite(model: &mut ResNet) -> bool {
     ok
 }
 
+/// What a forward changes besides the saved tensors: the batch norm running
+/// statistics and `num_batches_tracked`. Kept across steps (cleared and
+/// refilled, so steady-state steps allocate nothing).
+#[derive(Default)]
+struct BnState {
+    stats: Vec<f32>,
+    counts: Vec<i64>,
+}
+
+/// Copies every batch norm running statistic and counter into `out`.
+fn save_buffers(model: &mut ResNet, out: &mut BnState) {
+    out.stats.clear();
+    out.counts.clear();
+    model.visit_state(|slot| match slot {
+        StateSlot::Buffer { data, .. } => out.stats.extend_from_slice(data),
+        StateSlot::Count { value, .. } => out.counts.push(*value),
+        StateSlot::Param { .. } => {}
+    });
+}
+
+/// Puts back what [`save_buffers`] copied: a dropped step leaves no trace.
+fn restore_buffers(model: &mut ResNet, from: &BnState) {
+    let (mut at, mut count) = (0, from.counts.iter());
+    model.visit_state(|slot| match slot {
+        StateSlot::Buffer { data, .. } => {
+            data.copy_from_slice(&from.stats[at..at + data.len()]);
+            at += data.len();
+        }
+        StateSlot::Count { value, .. } => {
+            if let Some(c) = count.next() {
+                *value = *c;
+            }
+        }
+        StateSlot::Param { .. } => {}
+    });
+}
+
+/// Whether every batch norm running statistic is finite. A forward whose
+/// activations overflow can leave the loss and the gradients finite (the
+/// normalised output saturates) and still poison the running variance,
+/// which only evaluation would reveal.
+fn buffers_finite(model: &mut ResNet) -> bool {
+    let mut ok = true;
+    model.visit_state(|slot| {
+        if let StateSlot::Buffer { data, .. } = slot {
+            ok = ok && data.iter().all(|v| v.is_finite());
+        }
+    });
+    ok
+}
+
 /// The test hook of [`TrainOptions::inject_inf_steps`]: the first trainable
 /// gradient element becomes inf.
 fn inject_inf(model: &mut ResNet) {
@@ -212,6 +263,14 @@ pub fn evaluate(
         }
         Ok(())
     })?;
+    // Zeros for loss and accuracy would read as a result.
+    if samples == 0 && skipped > 0 {
+        return Err(Error::NoReadableImages {
+            what: "validation".into(),
+            skipped,
+            verb: "evaluate",
+        });
+    }
     let n = samples.max(1) as f64;
     Ok(EvalReport {
         loss: loss / n,
@@ -325,6 +384,7 @@ fn fit_in<'scope, 'env>(
         pool.record_timeline(true);
     }
     let mut step = 0;
+    let mut saved_buffers = BnState::default();
     let save = |dir: &PathBuf,
                 model: &mut ResNet,
                 optimizer: &Optimizer,
@@ -378,6 +438,12 @@ fn fit_in<'scope, 'env>(
                 break;
             }
             model.zero_grad();
+            // Without a scaler a non-finite step is dropped or stops the
+            // run; the forward has already moved the BN running statistics
+            // by then, so keep them to put back.
+            if scaler.is_none() {
+                save_buffers(model, &mut saved_buffers);
+            }
             // One optimizer step per window; the loss of every micro-batch
             // is normalised by the window's sample count, so an uneven last
             // window weighs each sample as a full one would.
@@ -416,16 +482,39 @@ fn fit_in<'scope, 'env>(
             // non-finite loss or gradient stops the run before it reaches
             // the weights (the last checkpoint stays the last good one), or
             // with `NanPolicy::Skip` the step is dropped.
-            let non_finite = scaler.is_none() && (!out.loss.is_finite() || !grads_finite(model));
-            if non_finite && opts.nan_policy == NanPolicy::Stop {
+            let bad = if scaler.is_some() {
+                None
+            } else if !out.loss.is_finite() {
+                Some("loss")
+            } else if !grads_finite(model) {
+                Some("gradient")
+            } else if !buffers_finite(model) {
+                Some("batch norm running statistic")
+            } else {
+                None
+            };
+            let non_finite = bad.is_some();
+            if non_finite {
+                restore_buffers(model, &saved_buffers);
+            }
+            if let Some(what) = bad
+                && opts.nan_policy == NanPolicy::Stop
+            {
                 return Err(Error::NonFiniteLoss {
                     step,
                     loss: out.loss as f32,
+                    what,
+                    last_good: opts
+                        .save_dir
+                        .as_deref()
+                        .and_then(checkpoint::newest_checkpoint)
+                        .map(|p| p.display().to_string()),
                 });
             }
             if non_finite {
                 eprintln!(
-                    "warning: step {step}: non-finite loss or gradient ({}), step skipped",
+                    "warning: step {step}: non-finite {} (loss {}), step skipped",
+                    bad.unwrap_or("value"),
                     out.loss
                 );
             }
@@ -523,6 +612,14 @@ fn fit_in<'scope, 'env>(
         bar.finish_and_clear();
         if step <= opts.resume_step && opts.resume_step > 0 {
             continue; // an epoch finished before the resumed run began
+        }
+        // Every window was empty: going on would report NaN and succeed.
+        if seen == 0 && skipped > 0 {
+            return Err(Error::NoReadableImages {
+                what: format!("epoch {epoch}"),
+                skipped,
+                verb: "train on",
+            });
         }
         let secs = start.elapsed().as_secs_f64();
         let eval = if (epoch % opts.eval_every.max(1) == 0 || epoch == opts.epochs)
