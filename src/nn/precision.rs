@@ -20,7 +20,7 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
-use crate::device::cpu::{GemmMath, bf16_gemm_available, bf16_to_f32, f32_to_bf16, round_to_bf16};
+use crate::device::cpu::{GemmMath, bf16_to_f32, f32_to_bf16, round_to_bf16};
 use crate::error::{Error, Result};
 use crate::memory::{Category, Pool, Tag};
 use crate::tensor::{DType, Tensor};
@@ -52,7 +52,7 @@ impl Precision {
     /// bf16 kernel packs with round-to-nearest-even, as [`Precision::round`]
     /// does), so callers need not pass pre-rounded copies.
     pub fn gemm_rounds_operands(self) -> bool {
-        self == Precision::BF16 && bf16_gemm_available()
+        self.gemm_math().native_bf16()
     }
 
     pub const ALL: [Precision; 3] = [Precision::F32, Precision::BF16, Precision::F16];

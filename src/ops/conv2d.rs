@@ -10,8 +10,8 @@
 use rayon::prelude::*;
 
 use crate::device::cpu::{
-    Accumulate, GemmMath, MatRef, bf16_gemm_available, f32_to_bf16, gemm, gemm_bf16_rounded,
-    gemm_bf16_rows, gemm_bf16_rows_transposed, round_to_bf16,
+    Accumulate, GemmMath, Lhs, MatRef, f32_to_bf16, gemm, gemm_bf16_lhs, gemm_bf16_rounded,
+    round_to_bf16,
 };
 use crate::error::{Error, Result};
 use crate::profile::{Family, timed};
@@ -293,22 +293,16 @@ fn conv2d_forward_untimed(
     assert!(ws.len() >= tile * k, "conv2d_forward: workspace too small");
     // The native bf16 GEMM takes the patches as bf16 rows: half the bytes
     // written, and no second pass to pack them.
-    let native_bf16 = math == GemmMath::Bf16 && bf16_gemm_available();
+    let native_bf16 = math.native_bf16();
     for row0 in (0..g.rows()).step_by(tile) {
         let rows = tile.min(g.rows() - row0);
         let y_tile = &mut y[row0 * g.cout..(row0 + rows) * g.cout];
         if native_bf16 {
             let words: &mut [u32] = bytemuck::cast_slice_mut(&mut ws[..]);
             im2col_tile_bf16(words, x, g, row0, rows);
-            gemm_bf16_rows(
-                y_tile,
-                &words[..rows * k.div_ceil(2)],
-                rows,
-                k,
-                wm,
-                Accumulate::No,
-                true,
-            );
+            let words = &words[..rows * k.div_ceil(2)];
+            let a = Lhs::Bf16Rows { words, rows, k };
+            gemm_bf16_lhs(y_tile, a, wm, Accumulate::No, true);
             continue;
         }
         im2col_tile(ws, x, g, row0, rows);
@@ -396,12 +390,17 @@ pub fn conv2d_backward(
         let dy_tile = MatRef::row_major(&dy[row0 * cout..(row0 + rows) * cout], rows, cout);
         let flops = 2 * (rows * k * cout) as u64;
         timed(Family::ConvWgrad, flops, || {
-            if math == GemmMath::Bf16 && bf16_gemm_available() {
+            if math.native_bf16() {
                 // Patches as bf16 rows, read transposed by the GEMM's packing.
                 let words: &mut [u32] = bytemuck::cast_slice_mut(&mut col[..]);
                 im2col_tile_bf16(words, x, g, row0, rows);
-                let used = &words[..rows * k.div_ceil(2)];
-                gemm_bf16_rows_transposed(dw, used, k, rows, dy_tile, Accumulate::Yes);
+                let words = &words[..rows * k.div_ceil(2)];
+                let a = Lhs::Bf16RowsTransposed {
+                    words,
+                    m: k,
+                    k: rows,
+                };
+                gemm_bf16_lhs(dw, a, dy_tile, Accumulate::Yes, false);
                 return;
             }
             im2col_tile(col, x, g, row0, rows);

@@ -24,6 +24,7 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
+use super::Lhs;
 use super::bf16_convert::round16;
 use super::gemm::{Accumulate, MatRef};
 use super::{bf16_bits_to_f32, f32_to_bf16, f32_to_bf16_bits, pair_to_bf16};
@@ -327,48 +328,13 @@ unsafe fn micro_kernel(
     }
 }
 
-/// The left operand of [`gemm_bf16`]: f32 values to round and pack, or rows
-/// already in bf16 (`words`: `rows` × ⌈k/2⌉ words of k-pairs, the odd tail
-/// zero), which the micro-kernel reads in place.
-#[derive(Clone, Copy)]
-pub enum Lhs<'a> {
-    F32(MatRef<'a>),
-    Bf16Rows {
-        words: &'a [u32],
-        rows: usize,
-        k: usize,
-    },
-    /// The transpose of such rows: `words` holds `k` rows of ⌈m/2⌉ words
-    /// (m values each, bf16), and the operand is their transpose (m, k) —
-    /// the patches of a weight gradient.
-    Bf16RowsTransposed {
-        words: &'a [u32],
-        m: usize,
-        k: usize,
-    },
-}
-
-impl Lhs<'_> {
-    fn dims(&self) -> (usize, usize) {
-        match self {
-            Lhs::F32(a) => (a.rows, a.cols),
-            Lhs::Bf16Rows { rows, k, .. } => (*rows, *k),
-            Lhs::Bf16RowsTransposed { m, k, .. } => (*m, *k),
-        }
-    }
-}
-
-/// `dst (m, n) row-major [+]= a · b` in bf16 with f32 accumulation.
+/// `dst (m, n) row-major [+]= a · b` in bf16 with f32 accumulation; with
+/// `round_output` the result is rounded to bf16 as it is stored (the whole
+/// sum, `dst`'s previous value included when accumulating).
 ///
-/// Panics when the CPU lacks the instructions ([`available`]) or the views
-/// do not fit their slices; callers check both, so neither is user input.
-pub fn gemm_bf16(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, acc: Accumulate) {
-    gemm_bf16_lhs(dst, Lhs::F32(a), b, acc, false)
-}
-
-/// [`gemm_bf16`] with the left operand in either form; with `round_output`
-/// the result is rounded to bf16 as it is stored (the whole sum, `dst`'s
-/// previous value included when accumulating).
+/// Panics when the CPU lacks the instructions ([`available`]) or the
+/// operands do not fit their slices; callers check both, so neither is user
+/// input.
 pub fn gemm_bf16_lhs(
     dst: &mut [f32],
     a: Lhs<'_>,
@@ -380,11 +346,13 @@ pub fn gemm_bf16_lhs(
     let ((m, k), n) = (a.dims(), b.cols);
     assert_eq!(b.rows, k, "gemm_bf16: inner dimensions");
     assert!(dst.len() >= m * n, "gemm_bf16: dst too small");
-    if let Lhs::Bf16Rows { words, .. } = a {
-        assert!(
-            words.len() >= m * k.div_ceil(2),
-            "gemm_bf16: lhs rows too short"
-        );
+    let words_needed = match a {
+        Lhs::F32(_) => 0,
+        Lhs::Bf16Rows { .. } => m * k.div_ceil(2),
+        Lhs::Bf16RowsTransposed { .. } => k * m.div_ceil(2),
+    };
+    if let Lhs::Bf16Rows { words, .. } | Lhs::Bf16RowsTransposed { words, .. } = a {
+        assert!(words.len() >= words_needed, "gemm_bf16: lhs rows too short");
     }
     if m == 0 || n == 0 {
         return;
@@ -509,6 +477,10 @@ pub fn gemm_bf16_lhs(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn gemm_bf16(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, acc: Accumulate) {
+        gemm_bf16_lhs(dst, Lhs::F32(a), b, acc, false)
+    }
 
     fn round_bf16(v: f32) -> f32 {
         f32::from_bits(bf16_bits(v) << 16)

@@ -10,8 +10,10 @@ pub use self::bf16_convert::{
     bf16_bits_to_f32, bf16_to_f32, f32_to_bf16, f32_to_bf16_bits, pair_to_bf16, round_to_bf16,
 };
 
+pub use self::gemm::{Accumulate, MatRef, gemm_f32};
+
 #[cfg(target_arch = "x86_64")]
-pub use self::bf16_gemm::{available as bf16_gemm_available, gemm_bf16};
+pub use self::bf16_gemm::{available as bf16_gemm_available, gemm_bf16_lhs};
 
 /// No bf16 kernel off x86-64: bf16 mode runs the f32 GEMM.
 #[cfg(not(target_arch = "x86_64"))]
@@ -20,10 +22,43 @@ pub fn bf16_gemm_available() -> bool {
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-pub fn gemm_bf16(_: &mut [f32], _: MatRef<'_>, _: MatRef<'_>, _: Accumulate) {
-    unreachable!("gemm_bf16 is only called when bf16_gemm_available()")
+pub fn gemm_bf16_lhs(_: &mut [f32], _: Lhs<'_>, _: MatRef<'_>, _: Accumulate, _: bool) {
+    unreachable!("gemm_bf16_lhs is only called when bf16_gemm_available()")
 }
-pub use self::gemm::{Accumulate, MatRef, gemm_f32};
+
+/// The left operand of the bf16 GEMM ([`gemm_bf16_lhs`]).
+#[derive(Clone, Copy)]
+pub enum Lhs<'a> {
+    /// f32 values, rounded to bf16 as they are packed.
+    F32(MatRef<'a>),
+    /// Rows already in bf16, read in place: `words` holds `rows` × ⌈k/2⌉
+    /// words, two k-consecutive values per word (lower index in the low
+    /// half, an odd tail zero).
+    Bf16Rows {
+        words: &'a [u32],
+        rows: usize,
+        k: usize,
+    },
+    /// The transpose of such rows: `words` holds `k` rows of ⌈m/2⌉ words
+    /// (m bf16 values each), and the operand is their transpose (m, k) —
+    /// the patches of a weight gradient.
+    Bf16RowsTransposed {
+        words: &'a [u32],
+        m: usize,
+        k: usize,
+    },
+}
+
+impl Lhs<'_> {
+    /// (rows, inner dimension) of the operand.
+    pub fn dims(&self) -> (usize, usize) {
+        match self {
+            Lhs::F32(a) => (a.rows, a.cols),
+            Lhs::Bf16Rows { rows, k, .. } => (*rows, *k),
+            Lhs::Bf16RowsTransposed { m, k, .. } => (*m, *k),
+        }
+    }
+}
 
 /// The arithmetic a GEMM runs in. Operands and results are f32 storage
 /// either way; `Bf16` operands are bf16-representable values (the bf16
@@ -36,76 +71,30 @@ pub enum GemmMath {
     Bf16,
 }
 
+impl GemmMath {
+    /// Whether this arithmetic runs the native bf16 kernel here (which
+    /// takes [`Lhs`] operands in bf16 and rounds f32 ones while packing).
+    pub fn native_bf16(self) -> bool {
+        self == GemmMath::Bf16 && bf16_gemm_available()
+    }
+}
+
 /// `dst [+]= a · b` in the given arithmetic.
 pub fn gemm(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, acc: Accumulate, math: GemmMath) {
-    match math {
-        GemmMath::Bf16 if bf16_gemm_available() => gemm_bf16(dst, a, b, acc),
-        _ => gemm_f32(dst, a, b, acc),
-    }
-}
-
-/// `dst (m, n) [+]= colsᵀ · b` in bf16, where `words` holds `k` rows of
-/// ⌈m/2⌉ words (m bf16 values each, an odd tail zero): the weight gradient
-/// of bf16 patch rows. Only when [`bf16_gemm_available`].
-pub fn gemm_bf16_rows_transposed(
-    dst: &mut [f32],
-    words: &[u32],
-    m: usize,
-    k: usize,
-    b: MatRef<'_>,
-    acc: Accumulate,
-) {
-    #[cfg(target_arch = "x86_64")]
-    bf16_gemm::gemm_bf16_lhs(
-        dst,
-        bf16_gemm::Lhs::Bf16RowsTransposed { words, m, k },
-        b,
-        acc,
-        false,
-    );
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = (dst, words, m, k, b, acc);
-        unreachable!("gemm_bf16_rows_transposed is only called when bf16_gemm_available()")
-    }
-}
-
-/// `dst [+]= a · b` in bf16 with `a` already as bf16 rows: `words` holds
-/// `rows` × ⌈k/2⌉ words, two k-consecutive values per word (lower index in
-/// the low half, an odd tail zero). With `round_output` the result is
-/// stored rounded to bf16. Only when [`bf16_gemm_available`].
-pub fn gemm_bf16_rows(
-    dst: &mut [f32],
-    words: &[u32],
-    rows: usize,
-    k: usize,
-    b: MatRef<'_>,
-    acc: Accumulate,
-    round_output: bool,
-) {
-    #[cfg(target_arch = "x86_64")]
-    bf16_gemm::gemm_bf16_lhs(
-        dst,
-        bf16_gemm::Lhs::Bf16Rows { words, rows, k },
-        b,
-        acc,
-        round_output,
-    );
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = (dst, words, rows, k, b, acc, round_output);
-        unreachable!("gemm_bf16_rows is only called when bf16_gemm_available()")
+    if math.native_bf16() {
+        gemm_bf16_lhs(dst, Lhs::F32(a), b, acc, false)
+    } else {
+        gemm_f32(dst, a, b, acc)
     }
 }
 
 /// [`gemm`] in bf16 with the result stored rounded to bf16 (the native
 /// kernel rounds as it stores; the fallback rounds after the f32 GEMM).
 pub fn gemm_bf16_rounded(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, acc: Accumulate) {
-    #[cfg(target_arch = "x86_64")]
-    if bf16_gemm_available() {
-        bf16_gemm::gemm_bf16_lhs(dst, bf16_gemm::Lhs::F32(a), b, acc, true);
-        return;
+    if GemmMath::Bf16.native_bf16() {
+        gemm_bf16_lhs(dst, Lhs::F32(a), b, acc, true);
+    } else {
+        gemm_f32(dst, a, b, acc);
+        round_to_bf16(&mut dst[..a.rows * b.cols]);
     }
-    gemm_f32(dst, a, b, acc);
-    round_to_bf16(&mut dst[..a.rows * b.cols]);
 }
