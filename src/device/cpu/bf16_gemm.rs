@@ -157,45 +157,64 @@ unsafe fn pack_a(
             panel: MR * kc2,
         };
     }
+    pack_panels(out, a.rows, i0, mc, kc, |r0, kp, hi_in, col| {
+        let p = p0 + 2 * kp;
+        let rows = col.len();
+        if a.rs == 1 {
+            // Contiguous along the rows: pair two columns. MR values per
+            // call: too few for the slice converter, so inline (this
+            // function's AVX-512 lets it vectorise).
+            let lo = &d[p * a.cs + r0..][..rows];
+            if hi_in {
+                let hi = &d[(p + 1) * a.cs + r0..][..rows];
+                for (w, (&l, &h)) in col.iter_mut().zip(lo.iter().zip(hi)) {
+                    *w = pair(l, h);
+                }
+            } else {
+                for (w, &l) in col.iter_mut().zip(lo) {
+                    *w = pair(l, 0.0);
+                }
+            }
+        } else {
+            for (ii, w) in col.iter_mut().enumerate() {
+                let lo = d[(r0 + ii) * a.rs + p * a.cs];
+                let hi = if hi_in {
+                    d[(r0 + ii) * a.rs + (p + 1) * a.cs]
+                } else {
+                    0.0
+                };
+                *w = pair(lo, hi);
+            }
+        }
+    })
+}
+
+/// The micro-panel walk of the panel packers: for each MR-row panel of rows
+/// `i0..i0+mc` (zero-filled where it runs past `m`) and each k-pair `kp` of
+/// a `kc`-long block, `fill(r0, kp, hi_in_block, words)` writes the words of
+/// the panel's valid rows (`words.len()` of them, from row `r0`).
+#[inline(always)]
+fn pack_panels(
+    out: &mut [u32],
+    m: usize,
+    i0: usize,
+    mc: usize,
+    kc: usize,
+    mut fill: impl FnMut(usize, usize, bool, &mut [u32]),
+) -> ALayout {
+    let kc2 = kc.div_ceil(2);
     for (panel, words) in out
         .chunks_exact_mut(kc2 * MR)
         .take(mc.div_ceil(MR))
         .enumerate()
     {
         let r0 = i0 + panel * MR;
-        let rows = MR.min(a.rows - r0.min(a.rows));
+        let rows = MR.min(m - r0.min(m));
         if rows < MR {
             words.fill(0);
         }
         for (kp, col) in words.chunks_exact_mut(MR).enumerate() {
-            let p = p0 + 2 * kp;
-            let hi_in = 2 * kp + 1 < kc;
-            if a.rs == 1 {
-                // Contiguous along the rows: pair two columns.
-                // MR values per call: too few for the slice converter, so
-                // inline (this function's AVX-512 lets it vectorise).
-                let lo = &d[p * a.cs + r0..][..rows];
-                if hi_in {
-                    let hi = &d[(p + 1) * a.cs + r0..][..rows];
-                    for (w, (&l, &h)) in col.iter_mut().zip(lo.iter().zip(hi)) {
-                        *w = pair(l, h);
-                    }
-                } else {
-                    for (w, &l) in col.iter_mut().zip(lo) {
-                        *w = pair(l, 0.0);
-                    }
-                }
-            } else {
-                for (ii, w) in col.iter_mut().take(rows).enumerate() {
-                    let lo = d[(r0 + ii) * a.rs + p * a.cs];
-                    let hi = if hi_in {
-                        d[(r0 + ii) * a.rs + (p + 1) * a.cs]
-                    } else {
-                        0.0
-                    };
-                    *w = pair(lo, hi);
-                }
-            }
+            fill(r0, kp, 2 * kp + 1 < kc, &mut col[..rows]);
         }
     }
     ALayout {
@@ -232,37 +251,20 @@ unsafe fn pack_a_bf16_transposed(
     p0: usize,
     kc: usize,
 ) -> ALayout {
-    let kc2 = kc.div_ceil(2);
-    for (panel, words) in out
-        .chunks_exact_mut(kc2 * MR)
-        .take(mc.div_ceil(MR))
-        .enumerate()
-    {
-        let r0 = i0 + panel * MR;
-        let rows = MR.min(m - r0.min(m));
-        if rows < MR {
-            words.fill(0);
-        }
-        for (kp, col) in words.chunks_exact_mut(MR).enumerate() {
-            let p = p0 + 2 * kp;
-            let lo = &halves[p * stride + r0..][..rows];
-            if 2 * kp + 1 < kc {
-                let hi = &halves[(p + 1) * stride + r0..][..rows];
-                for (w, (&l, &h)) in col.iter_mut().zip(lo.iter().zip(hi)) {
-                    *w = l as u32 | ((h as u32) << 16);
-                }
-            } else {
-                for (w, &l) in col.iter_mut().zip(lo) {
-                    *w = l as u32;
-                }
+    pack_panels(out, m, i0, mc, kc, |r0, kp, hi_in, col| {
+        let p = p0 + 2 * kp;
+        let lo = &halves[p * stride + r0..][..col.len()];
+        if hi_in {
+            let hi = &halves[(p + 1) * stride + r0..][..col.len()];
+            for (w, (&l, &h)) in col.iter_mut().zip(lo.iter().zip(hi)) {
+                *w = l as u32 | ((h as u32) << 16);
+            }
+        } else {
+            for (w, &l) in col.iter_mut().zip(lo) {
+                *w = l as u32;
             }
         }
-    }
-    ALayout {
-        row: 1,
-        pair: MR,
-        panel: MR * kc2,
-    }
+    })
 }
 
 /// `c (MR×NR, row stride ldc) += Σ_kp a[·, kp] ⊗ bp[kp]` over `kc2`
