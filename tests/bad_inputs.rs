@@ -10,37 +10,11 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::TempDir;
+use common::{TempDir, assert_no_panic, memfit, memfit_env};
 use memfit::io::save_state_dict;
 use memfit::memory::Pool;
 use memfit::nn::{ResNet, ResNetConfig};
 use safetensors::{Dtype, View};
-
-fn memfit_env(args: &[&str], env: &[(&str, &Path)]) -> (i32, String, String) {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_memfit"));
-    cmd.args(args);
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    let out = cmd.output().expect("run memfit");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-fn memfit(args: &[&str]) -> (i32, String, String) {
-    memfit_env(args, &[])
-}
-
-#[track_caller]
-fn assert_no_panic(what: &str, err: &str) {
-    assert!(
-        !err.contains("panicked") && !err.contains("RUST_BACKTRACE"),
-        "{what} panicked:\n{err}"
-    );
-}
 
 /// Runs `args`, checks it fails cleanly with every `needles` in stderr, and
 /// returns (stdout, stderr).

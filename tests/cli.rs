@@ -1,19 +1,11 @@
 //! The binary end to end: the README's main command (shortened), and clear
 //! errors for bad input with no panic or backtrace reaching the user.
 
+mod common;
+
 use std::process::Command;
 
-fn memfit(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_memfit"))
-        .args(args)
-        .output()
-        .expect("run memfit");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+use common::{assert_no_panic, memfit};
 
 #[track_caller]
 fn assert_clean_error(args: &[&str], needle: &str) {
@@ -23,10 +15,7 @@ fn assert_clean_error(args: &[&str], needle: &str) {
         err.contains(needle),
         "{args:?}: stderr lacks {needle:?}:\n{err}"
     );
-    assert!(
-        !err.contains("panicked") && !err.contains("RUST_BACKTRACE"),
-        "{args:?} panicked:\n{err}"
-    );
+    assert_no_panic(&format!("{args:?}"), &err);
 }
 
 /// The number after `key` in `s`, up to the next ',' or '%'.
@@ -785,7 +774,7 @@ fn sigterm_saves_a_checkpoint_and_the_run_resumes() {
         err.contains("interrupted after optimizer step") && err.contains("--resume"),
         "{err}"
     );
-    assert!(!err.contains("panicked"), "{err}");
+    assert_no_panic("SIGTERM", &err);
     let mut resume = flags.to_vec();
     resume.extend(["--resume", &save]);
     let (code, out, err) = memfit(&resume);

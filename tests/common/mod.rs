@@ -1,7 +1,8 @@
 //! Shared helpers for the integration tests.
 #![allow(dead_code)]
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use memfit::memory::{Category, Pool, Tag};
@@ -82,4 +83,34 @@ impl Drop for TempDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
     }
+}
+
+/// Runs the memfit binary with `args` and extra environment variables;
+/// returns (exit code, stdout, stderr).
+pub fn memfit_env(args: &[&str], env: &[(&str, &Path)]) -> (i32, String, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_memfit"));
+    cmd.args(args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("run memfit");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Runs the memfit binary with `args`; returns (exit code, stdout, stderr).
+pub fn memfit(args: &[&str]) -> (i32, String, String) {
+    memfit_env(args, &[])
+}
+
+/// No panic message or backtrace hint reached the user.
+#[track_caller]
+pub fn assert_no_panic(what: &str, err: &str) {
+    assert!(
+        !err.contains("panicked") && !err.contains("RUST_BACKTRACE"),
+        "{what} panicked:\n{err}"
+    );
 }
