@@ -614,6 +614,28 @@ mod tests {
         }
     }
 
+    /// The forward, then the backward into `dx` and `dw` (which accumulate),
+    /// sharing one workspace of the larger size filled with `ws_fill` (NaN
+    /// shows that no stale workspace leaks into a result). Returns y.
+    #[allow(clippy::too_many_arguments)]
+    fn forward_backward(
+        g: &ConvGeom,
+        x: &[f32],
+        w: &[f32],
+        dy: &[f32],
+        dx: &mut [f32],
+        dw: &mut [f32],
+        math: GemmMath,
+        ws_fill: f32,
+    ) -> Vec<f32> {
+        let ws_len = g.backward_workspace_len().max(g.forward_workspace_len());
+        let mut ws = vec![ws_fill; ws_len];
+        let mut y = vec![0.0; g.output_len()];
+        conv2d_forward(&mut y, x, w, g, &mut ws, math);
+        conv2d_backward(Some(dx), dw, dy, x, w, g, &mut ws, math);
+        y
+    }
+
     #[test]
     fn forward_and_backward_match_f64_reference() {
         let mut r = rng(1);
@@ -622,25 +644,12 @@ mod tests {
             let x = rand_vec(&mut r, g.input_len());
             let w = rand_vec(&mut r, g.weight_len());
             let dy = rand_vec(&mut r, g.output_len());
-            let mut ws = vec![0.0; g.backward_workspace_len()];
-            let mut y = vec![0.0; g.output_len()];
-            conv2d_forward(&mut y, &x, &w, &g, &mut ws, GemmMath::F32);
-            let y_ref = conv2d_ref(&to_f64(&x), &to_f64(&w), &g);
-            assert_close(&format!("{c:?} y"), &y, &y_ref, 1e-5, 1e-5);
-
             // Both gradients accumulate: start from ones and expect ref + 1.
             let mut dx = vec![1.0; x.len()];
             let mut dw = vec![1.0; w.len()];
-            conv2d_backward(
-                Some(&mut dx),
-                &mut dw,
-                &dy,
-                &x,
-                &w,
-                &g,
-                &mut ws,
-                GemmMath::F32,
-            );
+            let y = forward_backward(&g, &x, &w, &dy, &mut dx, &mut dw, GemmMath::F32, 0.0);
+            let y_ref = conv2d_ref(&to_f64(&x), &to_f64(&w), &g);
+            assert_close(&format!("{c:?} y"), &y, &y_ref, 1e-5, 1e-5);
             let (dx_ref, dw_ref) = conv2d_backward_ref(&to_f64(&dy), &to_f64(&x), &to_f64(&w), &g);
             let plus1 = |v: Vec<f64>| v.into_iter().map(|a| a + 1.0).collect::<Vec<_>>();
             assert_close(&format!("{c:?} dx"), &dx, &plus1(dx_ref), 1e-5, 1e-5);
@@ -675,28 +684,16 @@ mod tests {
             let x = rand_vec(&mut r, g.input_len());
             let w = rand_vec(&mut r, g.weight_len());
             let dy = rand_vec(&mut r, g.output_len());
-            let mut ws = vec![0.0; g.backward_workspace_len()];
-            let mut y = vec![0.0; g.output_len()];
-            conv2d_forward(&mut y, &x, &w, &g, &mut ws, GemmMath::F32);
+            // dx accumulates: start from ones.
+            let mut dx = vec![1.0; x.len()];
+            let mut dw = vec![0.0; w.len()];
+            let y = forward_backward(&g, &x, &w, &dy, &mut dx, &mut dw, GemmMath::F32, 0.0);
             assert_close(
                 "tiled y",
                 &y,
                 &conv2d_ref(&to_f64(&x), &to_f64(&w), &g),
                 1e-4,
                 1e-5,
-            );
-            // dx accumulates: start from ones.
-            let mut dx = vec![1.0; x.len()];
-            let mut dw = vec![0.0; w.len()];
-            conv2d_backward(
-                Some(&mut dx),
-                &mut dw,
-                &dy,
-                &x,
-                &w,
-                &g,
-                &mut ws,
-                GemmMath::F32,
             );
             let (dx_ref, dw_ref) = conv2d_backward_ref(&to_f64(&dy), &to_f64(&x), &to_f64(&w), &g);
             let dx_ref: Vec<f64> = dx_ref.iter().map(|v| v + 1.0).collect();
@@ -728,12 +725,9 @@ mod tests {
             (12, 1, 2, 0, 9, 40),
             (512, 3, 2, 1, 32, 3),
         ];
-        let round = |v: Vec<f32>| -> Vec<f32> {
-            v.into_iter()
-                .map(|x| {
-                    crate::device::cpu::bf16_bits_to_f32(crate::device::cpu::f32_to_bf16_bits(x))
-                })
-                .collect()
+        let round = |mut v: Vec<f32>| -> Vec<f32> {
+            crate::device::cpu::round_to_bf16(&mut v);
+            v
         };
         for (cin, kk, stride, pad, hw, cout) in cases {
             let g = ConvGeom {
@@ -752,25 +746,13 @@ mod tests {
             let w = rand_vec(&mut r, g.weight_len());
             let dy = round(rand_vec(&mut r, g.output_len()));
             let w_rounded = round(w.clone());
-            let mut ws = vec![f32::NAN; g.backward_workspace_len().max(g.forward_workspace_len())];
-            let mut y = vec![0.0; g.output_len()];
-            conv2d_forward(&mut y, &x, &w, &g, &mut ws, GemmMath::Bf16);
+            let (mut dx, mut dw) = (vec![0.0; x.len()], vec![0.0; w.len()]);
+            let y = forward_backward(&g, &x, &w, &dy, &mut dx, &mut dw, GemmMath::Bf16, f32::NAN);
             let y_ref = conv2d_ref(&to_f64(&x), &to_f64(&w_rounded), &g);
             // The output comes back rounded to bf16: exactly representable,
             // and within half a bf16 ulp (2^-9 relative) of the exact sum.
             assert_eq!(round(y.clone()), y, "bf16 y is not rounded");
             assert_close(&format!("bf16 y {g:?}"), &y, &y_ref, 1e-4, 2f64.powi(-8));
-            let (mut dx, mut dw) = (vec![0.0; x.len()], vec![0.0; w.len()]);
-            conv2d_backward(
-                Some(&mut dx),
-                &mut dw,
-                &dy,
-                &x,
-                &w,
-                &g,
-                &mut ws,
-                GemmMath::Bf16,
-            );
             let (dx_ref, dw_ref) =
                 conv2d_backward_ref(&to_f64(&dy), &to_f64(&x), &to_f64(&w_rounded), &g);
             assert_close(&format!("bf16 dx {g:?}"), &dx, &dx_ref, 1e-4, 1e-5);

@@ -530,16 +530,8 @@ mod tests {
                 .map(|i| ((i * 104729 % 811) as f32 - 405.0) / 53.0)
                 .collect();
             for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
-                let av = if ta {
-                    MatRef::row_major(&a, k, m).t()
-                } else {
-                    MatRef::row_major(&a, m, k)
-                };
-                let bv = if tb {
-                    MatRef::row_major(&b, n, k).t()
-                } else {
-                    MatRef::row_major(&b, k, n)
-                };
+                let av = MatRef::test_view(&a, m, k, ta);
+                let bv = MatRef::test_view(&b, k, n, tb);
                 let want = reference(av, bv);
                 let scale = want.iter().fold(1.0f64, |s, w| s.max(w.abs()));
                 let mut dst = vec![1.0f32; m * n];

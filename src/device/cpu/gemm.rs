@@ -54,6 +54,19 @@ impl<'a> MatRef<'a> {
     }
 }
 
+#[cfg(test)]
+impl<'a> MatRef<'a> {
+    /// A (rows, cols) view of `data`, stored as a (cols, rows) row-major
+    /// matrix when `transposed`: the two layouts the GEMM tests cover.
+    pub(crate) fn test_view(data: &'a [f32], rows: usize, cols: usize, transposed: bool) -> Self {
+        if transposed {
+            MatRef::row_major(data, cols, rows).t()
+        } else {
+            MatRef::row_major(data, rows, cols)
+        }
+    }
+}
+
 /// `dst (m, n) row-major [+]= a (m, k) · b (k, n)`, parallel over rayon's pool.
 ///
 /// Panics if the views do not fit their slices or the shapes disagree; both
@@ -139,16 +152,8 @@ mod tests {
             .map(|i| ((i * 5 % 11) as f32 - 5.0) / 3.0)
             .collect();
         for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
-            let av = if ta {
-                MatRef::row_major(&a, k, m).t()
-            } else {
-                MatRef::row_major(&a, m, k)
-            };
-            let bv = if tb {
-                MatRef::row_major(&b, n, k).t()
-            } else {
-                MatRef::row_major(&b, k, n)
-            };
+            let av = MatRef::test_view(&a, m, k, ta);
+            let bv = MatRef::test_view(&b, k, n, tb);
             let want = naive(av, bv);
             let mut dst = vec![1.0f32; m * n];
             gemm_f32(&mut dst, av, bv, Accumulate::Yes);
