@@ -6,6 +6,7 @@
 //! [`nn`] (stages of the ResNet chain), [`exec`] (runs the chain under a
 //! plan), [`optim`].
 
+pub mod baseline;
 pub mod data;
 pub mod device;
 pub mod error;

@@ -332,6 +332,19 @@ fn plan_prints_stages_and_predicted_categories() {
 #[test]
 fn bench_strategies_tables_every_strategy_with_its_prediction() {
     let csv = std::env::temp_dir().join(format!("memfit-strategies-{}.csv", std::process::id()));
+    // A PyTorch baseline for this configuration, in resnet_mem.py's format.
+    let baseline =
+        std::env::temp_dir().join(format!("memfit-baseline-{}.jsonl", std::process::id()));
+    let run = |strategy: &str, secs: f64, peak: f64| {
+        format!(
+            r#"{{"strategy": "{strategy}", "tag": "grid", "res": 96, "batch": 4, "micro_batch": 4, "s_per_step_median": {secs}, "timed_other_cpu_frac": 0.0, "alloc_peak_step_MB": {peak}, "params_grads_momentum_MB": 1.0, "torch": "2.15.0"}}"#
+        )
+    };
+    std::fs::write(
+        &baseline,
+        [run("plain", 2.0, 9.0), run("ckpt-seq-2", 2.5, 4.0)].join("\n"),
+    )
+    .unwrap();
     let (code, out, err) = memfit(&[
         "--threads",
         "2",
@@ -353,9 +366,21 @@ fn bench_strategies_tables_every_strategy_with_its_prediction() {
         "1",
         "--csv",
         csv.to_str().unwrap(),
+        "--pytorch-results",
+        baseline.to_str().unwrap(),
     ]);
     assert_eq!(code, 0, "stderr:\n{err}");
-    let rows: Vec<&str> = out
+    let (ours, theirs) = out.split_once("\nPyTorch 2.15.0").expect("PyTorch rows");
+    // PyTorch's rows: its own ratios against its plain run.
+    assert!(
+        theirs.contains("| plain | none | 4 | 10.00 MiB | 1.00 | 2.000 | 1.00 | 1/1 |"),
+        "{theirs}"
+    );
+    assert!(
+        theirs.contains("| ckpt-seq-2 | segments:2 | 4 | 5.00 MiB | 0.50 | 2.500 | 1.25 | 1/1 |"),
+        "{theirs}"
+    );
+    let rows: Vec<&str> = ours
         .lines()
         .filter(|l| l.starts_with("| ") && !l.starts_with("| strategy"))
         .collect();
@@ -386,8 +411,16 @@ fn bench_strategies_tables_every_strategy_with_its_prediction() {
     }
     assert!(rows[0].contains("| 1.00 |"), "{}", rows[0]);
     let written = std::fs::read_to_string(&csv).unwrap();
-    assert_eq!(written.lines().count(), rows.len() + 1, "{written}");
+    assert_eq!(written.lines().count(), rows.len() + 3, "{written}");
+    assert_eq!(
+        written
+            .lines()
+            .filter(|l| l.starts_with("pytorch,"))
+            .count(),
+        2
+    );
     std::fs::remove_file(&csv).ok();
+    std::fs::remove_file(&baseline).ok();
 }
 
 #[test]

@@ -7,8 +7,10 @@ librsvg2-bin).
 
 usage: tools/plot_strategies.py STRATEGIES.csv OUT.svg [TITLE] [--torch NAME=MEM,TIME ...]
 
---torch points are ratios too (PyTorch's own strategy vs PyTorch's plain
+PyTorch points are ratios too (PyTorch's own strategy vs PyTorch's plain
 run), drawn as hollow squares so both tools' trade-offs show side by side.
+They come from the CSV's `tool=pytorch` rows (which `memfit bench
+strategies` writes when it finds the baseline) or from --torch.
 """
 import csv
 import sys
@@ -29,10 +31,16 @@ def main():
     src, out = args[0], args[1]
     title = args[2] if len(args) > 2 else src
     with open(src) as f:
-        rows = [
-            (r["strategy"], float(r["memory_ratio"]), float(r["time_ratio"]))
-            for r in csv.DictReader(f)
-        ]
+        rows = []
+        for r in csv.DictReader(f):
+            if not r["time_ratio"]:
+                continue  # a PyTorch row without a clean timing
+            point = (r["strategy"], float(r["memory_ratio"]), float(r["time_ratio"]))
+            if r.get("tool", "memfit") == "pytorch":
+                if point[0] != "plain":
+                    torch.append(point)
+            else:
+                rows.append(point)
     if not rows:
         sys.exit(f"{src}: no rows")
     pts = rows + torch

@@ -19,7 +19,7 @@ use memfit::io::{TensorFile, fc_rows, load_torchvision, save_state_dict};
 use memfit::memory::{Category, MemoryStats, Pool, Tag, fmt_bytes, parse_bytes};
 use memfit::nn::{BnPolicy, Precision, ResNet, ResNetConfig, StemKind};
 use memfit::optim::{AdamW, GradScaler, LrSchedule, Schedule, Sgd};
-use memfit::plan::{PlanRequest, Strategy, report, resolve, simulate_training};
+use memfit::plan::{PlanRequest, Strategy, TimeModel, report, resolve, simulate_training};
 use memfit::train::checkpoint::{check_save_dir, load_checkpoint};
 use memfit::train::{NanPolicy, Optimizer, TrainOptions, evaluate, fit};
 
@@ -77,6 +77,12 @@ struct MemoryArgs {
     /// fastest plan and largest micro-batch that fit --memory-budget).
     #[arg(long, default_value = "none")]
     checkpoint: String,
+    /// Stage times for --checkpoint auto: measured (time one forward of
+    /// each stage on this machine at the chosen micro-batch, about a second
+    /// for ResNet-50 at batch 16) or flops (modelled from FLOPs and bytes;
+    /// no run, the same plan on every machine).
+    #[arg(long, default_value = "measured")]
+    time_model: String,
     /// Samples per forward/backward; --batch-size stays the samples per
     /// optimizer step (gradients accumulate). Default: the whole batch.
     #[arg(long, conflicts_with = "accum_steps")]
@@ -166,9 +172,20 @@ struct StrategiesArgs {
     steps: usize,
     #[arg(long, default_value_t = 1)]
     warmup: usize,
-    /// Also write the table as CSV here.
+    /// Also write the table as CSV here (with the PyTorch rows, if any).
     #[arg(long)]
     csv: Option<PathBuf>,
+    /// The PyTorch baseline's results (JSON lines of resnet_mem.py); its
+    /// rows for this image size and batch are printed after memfit's when
+    /// the file exists.
+    #[arg(long, default_value = "../shared/baselines/pytorch/results.jsonl")]
+    pytorch_results: PathBuf,
+    /// Stage times for --checkpoint auto: measured (time one forward of
+    /// each stage on this machine at the chosen micro-batch, about a second
+    /// for ResNet-50 at batch 16) or flops (modelled from FLOPs and bytes;
+    /// no run, the same plan on every machine).
+    #[arg(long, default_value = "measured")]
+    time_model: String,
 }
 
 #[derive(Args, Clone)]
@@ -209,6 +226,12 @@ struct StepArgs {
     /// Memory plan, as for train: none, segments:K, stages:..., auto.
     #[arg(long, default_value = "none")]
     checkpoint: String,
+    /// Stage times for --checkpoint auto: measured (time one forward of
+    /// each stage on this machine at the chosen micro-batch, about a second
+    /// for ResNet-50 at batch 16) or flops (modelled from FLOPs and bytes;
+    /// no run, the same plan on every machine).
+    #[arg(long, default_value = "measured")]
+    time_model: String,
     /// Samples per forward/backward (gradients accumulate over the batch).
     #[arg(long)]
     micro_batch: Option<usize>,
@@ -619,6 +642,7 @@ fn measure_steps(a: &StepArgs, verbose: bool) -> Result<StepResult> {
         budget,
         strategy: a.checkpoint.parse()?,
         auto_precision: fixed_precision.is_none(),
+        time_model: a.time_model.parse()?,
     })?;
     model.set_precision(resolved.precision);
     let (plan, micro) = (resolved.plan.clone(), resolved.micro_batch);
@@ -819,6 +843,7 @@ fn bench_strategies(a: StrategiesArgs) -> Result<()> {
             warmup: a.warmup,
             memory_budget: budget,
             checkpoint: r.checkpoint.clone(),
+            time_model: a.time_model.clone(),
             micro_batch: r.micro_batch,
             precision: PrecisionArgs {
                 precision: r.precision.to_string(),
@@ -843,7 +868,7 @@ fn bench_strategies(a: StrategiesArgs) -> Result<()> {
     let header = "| strategy | plan | micro-batch | precision | peak | activations at peak | memory ratio | s/step | time ratio | recompute bound | predicted peak |";
     println!("{header}\n|---|---|---|---|---|---|---|---|---|---|---|");
     let mut csv = String::from(
-        "strategy,plan,micro_batch,precision,peak_bytes,activations_bytes,memory_ratio,seconds_per_step,time_ratio,recompute_bound,predicted_peak_bytes\n",
+        "tool,strategy,plan,micro_batch,precision,peak_bytes,activations_bytes,memory_ratio,seconds_per_step,time_ratio,recompute_bound,predicted_peak_bytes\n",
     );
     for (name, r) in &results {
         let m = &r.measured;
@@ -867,7 +892,7 @@ fn bench_strategies(a: StrategiesArgs) -> Result<()> {
             fmt_bytes(r.predicted)
         );
         csv += &format!(
-            "\"{name}\",\"{}\",{},{},{},{act},{mr:.4},{:.4},{tr:.4},{},{}\n",
+            "memfit,\"{name}\",\"{}\",{},{},{},{act},{mr:.4},{:.4},{tr:.4},{},{}\n",
             r.plan,
             r.micro_batch,
             r.precision,
@@ -877,11 +902,73 @@ fn bench_strategies(a: StrategiesArgs) -> Result<()> {
             r.predicted
         );
     }
+    csv += &pytorch_rows(&a)?;
     if let Some(path) = &a.csv {
         std::fs::write(path, csv).with_context(|| format!("writing {}", path.display()))?;
         println!("wrote {}", path.display());
     }
     Ok(())
+}
+
+/// Prints the PyTorch baseline's rows for `a`'s configuration, when its
+/// results file exists, and returns them as CSV lines.
+fn pytorch_rows(a: &StrategiesArgs) -> Result<String> {
+    let path = &a.pytorch_results;
+    if !path.exists() {
+        println!(
+            "(no PyTorch baseline at {}: its rows are left out)",
+            path.display()
+        );
+        return Ok(String::new());
+    }
+    let rows = memfit::baseline::load(path, a.image_size, a.batch_size)?;
+    let Some(plain) = rows.iter().find(|r| r.strategy == "plain") else {
+        println!(
+            "(the PyTorch baseline {} has no plain run at {}x{} batch {})",
+            path.display(),
+            a.image_size,
+            a.image_size,
+            a.batch_size
+        );
+        return Ok(String::new());
+    };
+    println!(
+        "\nPyTorch {} (from {}; another day, maybe another host: compare its ratios, each against its own plain run, not its times):",
+        plain.torch,
+        path.display()
+    );
+    println!(
+        "| PyTorch strategy | nearest memfit row | micro-batch | peak | memory ratio | s/step | time ratio | runs timed / all |\n|---|---|---|---|---|---|---|---|"
+    );
+    let mut csv = String::new();
+    for r in &rows {
+        let mr = r.peak_bytes / plain.peak_bytes;
+        let tr = r.seconds.zip(plain.seconds).map(|(s, p)| s / p);
+        let cell =
+            |v: Option<f64>, digits: usize| v.map_or("-".to_string(), |v| format!("{v:.digits$}"));
+        let csv_cell = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.4}"));
+        println!(
+            "| {} | {} | {} | {} | {mr:.2} | {} | {} | {}/{} |",
+            r.strategy,
+            r.memfit_name,
+            r.micro_batch,
+            fmt_bytes(r.peak_bytes as usize),
+            cell(r.seconds, 3),
+            cell(tr, 2),
+            r.clean_runs,
+            r.runs
+        );
+        let precision = if r.strategy == "bf16" { "bf16" } else { "fp32" };
+        csv += &format!(
+            "pytorch,\"{}\",,{},{precision},{:.0},,{mr:.4},{},{},,\n",
+            r.strategy,
+            r.micro_batch,
+            r.peak_bytes,
+            csv_cell(r.seconds),
+            csv_cell(tr),
+        );
+    }
+    Ok(csv)
 }
 
 fn bench_max_batch(a: MaxBatchArgs) -> Result<()> {
@@ -911,6 +998,8 @@ fn bench_max_batch(a: MaxBatchArgs) -> Result<()> {
             budget: Some(budget),
             strategy: strategy.parse()?,
             auto_precision: false,
+            // Only whether a plan fits matters here, and that is bytes alone.
+            time_model: TimeModel::Flops,
         };
         match resolve(&request) {
             Ok(r) => Ok(Some(r.predicted.peak_total)),
@@ -1234,6 +1323,7 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
         budget,
         strategy,
         auto_precision: fixed_precision.is_none(),
+        time_model: a.memory.time_model.parse()?,
     })?;
     model.set_precision(resolved.precision);
     if plan_only {
@@ -1269,9 +1359,10 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
         .then(|| GradScaler::new(a.memory.scaler_init, a.memory.scaler_growth_interval));
     // The hard budget from here on: the allocator refuses to cross it.
     pool.set_budget(budget);
-    // Everything the continued run must share with the saved one.
+    // Everything the continued run must share with the saved one. Not the
+    // plan: gradients are bit-identical under every plan.
     let fingerprint = format!(
-        "model={}; base_width={}; stem={:?}; classes={classes}; precision={}; bn_relu_recompute={}; bn={:?}; data={}; image_size={size}; batch_size={}; micro_batch={}; plan={}; optimizer={:?}; lr={}; momentum={}; nesterov={}; weight_decay={:?}; schedule={:?}; warmup_epochs={}; total_steps={total_steps}; label_smoothing={}; clip_grad_norm={:?}; seed={}; shuffle={}",
+        "model={}; base_width={}; stem={:?}; classes={classes}; precision={}; bn_relu_recompute={}; bn={:?}; data={}; image_size={size}; batch_size={}; micro_batch={}; optimizer={:?}; lr={}; momentum={}; nesterov={}; weight_decay={:?}; schedule={:?}; warmup_epochs={}; total_steps={total_steps}; label_smoothing={}; clip_grad_norm={:?}; seed={}; shuffle={}",
         a.model,
         a.base_width,
         StemKind::from(a.stem),
@@ -1281,7 +1372,6 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
         a.data.data,
         a.batch_size,
         resolved.micro_batch,
-        resolved.plan,
         a.optimizer,
         a.lr,
         a.momentum,

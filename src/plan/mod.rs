@@ -19,10 +19,12 @@
 //!   batch) on a shapes-only pool, per category; the prediction `memfit plan`
 //!   prints and `memfit train` compares with the measured peak.
 
+mod calibrate;
 mod dp;
 mod resolve;
 mod strategy;
 
+pub use calibrate::{TimeModel, stage_forward_seconds};
 pub use resolve::{PlanRequest, Resolved, report, resolve};
 pub use strategy::{Strategy, segments_plan, stages_plan};
 
@@ -49,14 +51,17 @@ pub struct StageCost {
     /// input existed; counts the saved tensors and the output gradient.
     pub backward_peak: usize,
     pub forward_flops: f64,
+    /// The forward timed on this machine ([`calibrate`]), when it was.
+    pub measured_seconds: Option<f64>,
 }
 
 impl StageCost {
-    /// Modelled forward seconds on this machine's two cores (FLOPs at a
-    /// sustained 100 GFLOP/s plus the saved bytes written at 10 GB/s). Only
-    /// ratios matter to the planner; the bench measures real times.
+    /// Forward seconds as the planner sees them: measured when calibrated,
+    /// else modelled (FLOPs at a sustained 100 GFLOP/s plus the saved bytes
+    /// written at 10 GB/s). Only ratios matter to the planner.
     pub fn forward_seconds(&self) -> f64 {
-        self.forward_flops / 1e11 + self.saved as f64 / 1e10
+        self.measured_seconds
+            .unwrap_or(self.forward_flops / 1e11 + self.saved as f64 / 1e10)
     }
 }
 
@@ -141,6 +146,7 @@ impl CostModel {
                 forward_peak,
                 backward_peak,
                 forward_flops: stage.forward_flops(n, h, w),
+                measured_seconds: None,
             });
         }
         let eval_peak = eval_local_peak(&mut model, &pool, n, image_size)?;
@@ -203,7 +209,42 @@ impl CostModel {
         self.persistent + peak.max(self.eval_peak)
     }
 
-    /// Modelled seconds of forward recomputation a plan adds per micro-batch.
+    /// Whether the stage times were measured on this machine.
+    pub fn is_calibrated(&self) -> bool {
+        self.stages.iter().all(|s| s.measured_seconds.is_some())
+    }
+
+    /// Replaces the modelled stage times by measured ones (chain order).
+    pub fn set_measured_seconds(&mut self, seconds: &[f64]) -> Result<()> {
+        if seconds.len() != self.stages.len() {
+            return Err(Error::invalid(
+                "plan",
+                format!(
+                    "{} stage times for {} stages",
+                    seconds.len(),
+                    self.stages.len()
+                ),
+            ));
+        }
+        for (st, &t) in self.stages.iter_mut().zip(seconds) {
+            st.measured_seconds = Some(t);
+        }
+        Ok(())
+    }
+
+    /// [`set_measured_seconds`](Self::set_measured_seconds) with the times
+    /// of [`stage_forward_seconds`] for this micro-batch and image size.
+    pub fn calibrate(
+        &mut self,
+        config: &ResNetConfig,
+        bn: BnPolicy,
+        budget: Option<usize>,
+    ) -> Result<()> {
+        let seconds = stage_forward_seconds(config, bn, self.micro_batch, self.image_size, budget)?;
+        self.set_measured_seconds(&seconds)
+    }
+
+    /// Seconds of forward recomputation a plan adds per micro-batch.
     pub fn recompute_seconds(&self, plan: &Plan) -> f64 {
         plan.segments
             .iter()
@@ -213,7 +254,7 @@ impl CostModel {
             .sum()
     }
 
-    /// Modelled seconds of one forward + backward (backward ≈ 2 forwards)
+    /// Seconds of one forward + backward (backward ≈ 2 forwards)
     /// with no recomputation.
     pub fn step_seconds(&self) -> f64 {
         3.0 * self
@@ -365,7 +406,11 @@ pub fn micro_batch_candidates(batch: usize) -> Vec<usize> {
 /// `--checkpoint auto`: the largest micro-batch (keeping BN's batches as
 /// large as memory allows, since smaller ones change the statistics while
 /// recomputation does not) for which some plan fits, with that size's
-/// fastest plan. `micro_batch` fixes the size instead of searching.
+/// fastest plan and its cost model. `micro_batch` fixes the size instead of
+/// searching. Which sizes fit depends on bytes alone; under
+/// [`TimeModel::Measured`] the chosen size's stages are then timed and the
+/// plan chosen again with those times.
+#[allow(clippy::too_many_arguments)]
 pub fn auto_plan(
     config: &ResNetConfig,
     bn: BnPolicy,
@@ -374,18 +419,27 @@ pub fn auto_plan(
     micro_batch: Option<usize>,
     image_size: usize,
     budget: usize,
-) -> Result<Choice> {
+    time: TimeModel,
+) -> Result<(Choice, CostModel)> {
     let candidates = match micro_batch {
         Some(m) => vec![m],
         None => micro_batch_candidates(batch),
     };
     let mut smallest: Option<CostModel> = None;
     for &m in &candidates {
-        let model = CostModel::measure(config, bn, optimizer, m, image_size)?;
-        if let Some(choice) = model.best_plan(budget) {
-            return Ok(choice);
+        let mut costs = CostModel::measure(config, bn, optimizer, m, image_size)?;
+        if costs.best_plan(budget).is_none() {
+            smallest = Some(costs);
+            continue;
         }
-        smallest = Some(model);
+        if time == TimeModel::Measured {
+            costs.calibrate(config, bn, Some(budget))?;
+        }
+        // Feasibility does not depend on the times, only the choice does.
+        let choice = costs
+            .best_plan(budget)
+            .ok_or_else(|| Error::invalid("plan", "a feasible plan became infeasible"))?;
+        return Ok((choice, costs));
     }
     let model = smallest.ok_or_else(|| Error::invalid("plan", "no micro-batch candidates"))?;
     Err(Error::BudgetTooSmall {

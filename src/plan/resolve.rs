@@ -8,7 +8,9 @@ use crate::exec::Plan;
 use crate::memory::{Category, MemoryStats, fmt_bytes};
 use crate::nn::{BnPolicy, Precision, ResNetConfig};
 use crate::optim::Optimizer;
-use crate::plan::{CostModel, Strategy, auto_plan, segments_plan, simulate, stages_plan};
+use crate::plan::{
+    CostModel, Strategy, TimeModel, auto_plan, segments_plan, simulate, stages_plan,
+};
 
 /// What a run asks of the planner.
 pub struct PlanRequest<'a> {
@@ -28,6 +30,8 @@ pub struct PlanRequest<'a> {
     /// (under `--checkpoint auto`) fits a larger micro-batch or a plan with
     /// less recomputation.
     pub auto_precision: bool,
+    /// Where `auto`'s stage times come from (other strategies need none).
+    pub time_model: TimeModel,
 }
 
 /// The plan a run will use and what it is predicted to cost.
@@ -115,7 +119,7 @@ fn resolve_for(req: &PlanRequest<'_>, config: &ResNetConfig) -> Result<Resolved>
             let budget = req
                 .budget
                 .ok_or_else(|| Error::invalid("--checkpoint", "auto needs --memory-budget"))?;
-            let choice = auto_plan(
+            let (choice, costs) = auto_plan(
                 config,
                 req.bn,
                 req.optimizer,
@@ -123,13 +127,7 @@ fn resolve_for(req: &PlanRequest<'_>, config: &ResNetConfig) -> Result<Resolved>
                 req.micro_batch,
                 req.image_size,
                 budget,
-            )?;
-            let costs = CostModel::measure(
-                config,
-                req.bn,
-                req.optimizer,
-                choice.micro_batch,
-                req.image_size,
+                req.time_model,
             )?;
             (choice.plan, choice.micro_batch, costs)
         }
@@ -193,10 +191,16 @@ pub fn report(r: &Resolved, batch: usize) -> String {
             "BN+ReLU outputs are recomputed in backward from the kept BN inputs"
         );
     }
+    let calibrated = c.is_calibrated();
     let _ = writeln!(
         s,
-        "{:<10} {:>10} {:>11} {:>11} {:>10}  action",
-        "stage", "input", "saved", "fwd GFLOP", "kept"
+        "{:<10} {:>10} {:>11} {:>11} {:>9} {:>10}  action",
+        "stage",
+        "input",
+        "saved",
+        "fwd GFLOP",
+        if calibrated { "fwd ms" } else { "model ms" },
+        "kept"
     );
     for (i, st) in c.stages.iter().enumerate() {
         let seg = r
@@ -217,11 +221,12 @@ pub fn report(r: &Resolved, batch: usize) -> String {
         };
         let _ = writeln!(
             s,
-            "{:<10} {:>10} {:>11} {:>11.3} {:>10}  {action}",
+            "{:<10} {:>10} {:>11} {:>11.3} {:>9.1} {:>10}  {action}",
             st.name,
             fmt_bytes(st.input),
             fmt_bytes(st.saved),
             st.forward_flops / 1e9,
+            1e3 * st.forward_seconds(),
             fmt_bytes(kept),
         );
     }
@@ -244,7 +249,12 @@ pub fn report(r: &Resolved, batch: usize) -> String {
     let extra = c.recompute_seconds(&r.plan) + 0.0; // an empty f64 sum is -0.0
     let _ = writeln!(
         s,
-        "modelled step time: {:.2} s per micro-batch + {:.2} s recomputed forward ({:+.0}%)",
+        "{} step time: {:.2} s per micro-batch + {:.2} s recomputed forward ({:+.0}%)",
+        if calibrated {
+            "estimated (3x the measured forward)"
+        } else {
+            "modelled (from FLOPs)"
+        },
         base,
         extra,
         100.0 * extra / base.max(1e-12)
