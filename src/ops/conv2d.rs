@@ -134,27 +134,55 @@ impl ConvGeom {
     }
 }
 
+/// One kernel row (fixed ky) of the patch of output pixel `r`: the patch
+/// holds `kw·cin` values for it, of which `[lo, hi)` come from the input in
+/// one contiguous run starting at `src` (input layout (iy, ix, cin) makes
+/// consecutive kx consecutive pixels) and the rest are padding zeros.
+/// `None` when the whole kernel row falls in the padding.
+struct PatchRun {
+    lo: usize,
+    hi: usize,
+    src: usize,
+}
+
+/// The patch of output pixel `r`, one [`PatchRun`] per kernel row, in
+/// patch order. Copying runs instead of single pixels matters most for the
+/// stem: with three input channels a pixel is three floats.
+fn patch_runs(g: &ConvGeom, r: usize) -> impl Iterator<Item = Option<PatchRun>> + '_ {
+    let (oh, ow, cin) = (g.oh(), g.ow(), g.cin);
+    let (n, oy, ox) = (r / (oh * ow), (r / ow) % oh, r % ow);
+    let ix0 = (ox * g.stride) as isize - g.pad as isize;
+    let kx_lo = (-ix0).clamp(0, g.kw as isize) as usize;
+    let kx_hi = (g.w as isize - ix0).clamp(kx_lo as isize, g.kw as isize) as usize;
+    (0..g.kh).map(move |ky| {
+        let iy = (oy * g.stride + ky) as isize - g.pad as isize;
+        if iy < 0 || iy >= g.h as isize || kx_lo == kx_hi {
+            return None;
+        }
+        let pixel = (n * g.h + iy as usize) * g.w + (ix0 + kx_lo as isize) as usize;
+        Some(PatchRun {
+            lo: kx_lo * cin,
+            hi: kx_hi * cin,
+            src: pixel * cin,
+        })
+    })
+}
+
 /// Copy the patches of output rows `row0..row0+rows` into `col` (rows, K).
 fn im2col_tile(col: &mut [f32], x: &[f32], g: &ConvGeom, row0: usize, rows: usize) {
-    let (oh, ow, k, cin) = (g.oh(), g.ow(), g.k(), g.cin);
+    let (k, line) = (g.k(), g.kw * g.cin);
     col[..rows * k]
         .par_chunks_mut(k)
         .enumerate()
         .for_each(|(i, patch)| {
-            let r = row0 + i;
-            let (n, oy, ox) = (r / (oh * ow), (r / ow) % oh, r % ow);
-            for ky in 0..g.kh {
-                let iy = (oy * g.stride + ky) as isize - g.pad as isize;
-                for kx in 0..g.kw {
-                    let ix = (ox * g.stride + kx) as isize - g.pad as isize;
-                    let dst = &mut patch[(ky * g.kw + kx) * cin..][..cin];
-                    if iy < 0 || ix < 0 || iy >= g.h as isize || ix >= g.w as isize {
-                        dst.fill(0.0);
-                    } else {
-                        let src = ((n * g.h + iy as usize) * g.w + ix as usize) * cin;
-                        dst.copy_from_slice(&x[src..src + cin]);
-                    }
-                }
+            for (dst, run) in patch.chunks_exact_mut(line).zip(patch_runs(g, row0 + i)) {
+                let Some(PatchRun { lo, hi, src }) = run else {
+                    dst.fill(0.0);
+                    continue;
+                };
+                dst[..lo].fill(0.0);
+                dst[lo..hi].copy_from_slice(&x[src..src + hi - lo]);
+                dst[hi..].fill(0.0);
             }
         });
 }
@@ -163,7 +191,7 @@ fn im2col_tile(col: &mut [f32], x: &[f32], g: &ConvGeom, row0: usize, rows: usiz
 /// row becomes ⌈K/2⌉ words of k-pairs (an odd tail zero), so the GEMM reads
 /// the patches in place instead of packing an f32 copy.
 fn im2col_tile_bf16(col: &mut [u32], x: &[f32], g: &ConvGeom, row0: usize, rows: usize) {
-    let (oh, ow, k, cin) = (g.oh(), g.ow(), g.k(), g.cin);
+    let (k, line) = (g.k(), g.kw * g.cin);
     let k2 = k.div_ceil(2);
     col[..rows * k2]
         .par_chunks_mut(k2)
@@ -173,20 +201,17 @@ fn im2col_tile_bf16(col: &mut [u32], x: &[f32], g: &ConvGeom, row0: usize, rows:
             if k % 2 == 1 {
                 patch[k] = 0;
             }
-            let r = row0 + i;
-            let (n, oy, ox) = (r / (oh * ow), (r / ow) % oh, r % ow);
-            for ky in 0..g.kh {
-                let iy = (oy * g.stride + ky) as isize - g.pad as isize;
-                for kx in 0..g.kw {
-                    let ix = (ox * g.stride + kx) as isize - g.pad as isize;
-                    let dst = &mut patch[(ky * g.kw + kx) * cin..][..cin];
-                    if iy < 0 || ix < 0 || iy >= g.h as isize || ix >= g.w as isize {
-                        dst.fill(0);
-                    } else {
-                        let src = ((n * g.h + iy as usize) * g.w + ix as usize) * cin;
-                        f32_to_bf16(dst, &x[src..src + cin]);
-                    }
-                }
+            for (dst, run) in patch[..k]
+                .chunks_exact_mut(line)
+                .zip(patch_runs(g, row0 + i))
+            {
+                let Some(PatchRun { lo, hi, src }) = run else {
+                    dst.fill(0);
+                    continue;
+                };
+                dst[..lo].fill(0);
+                f32_to_bf16(&mut dst[lo..hi], &x[src..src + hi - lo]);
+                dst[hi..].fill(0);
             }
         });
 }
@@ -598,6 +623,29 @@ mod tests {
             stride: 3,
             pad: 1,
         },
+        // Input narrower than the kernel: every patch row is cut on both
+        // sides.
+        ConvCase {
+            n: 2,
+            h: 3,
+            w: 2,
+            cin: 3,
+            cout: 2,
+            k: 5,
+            stride: 1,
+            pad: 2,
+        },
+        // Padding wider than the kernel: whole patches fall in the padding.
+        ConvCase {
+            n: 1,
+            h: 3,
+            w: 2,
+            cin: 2,
+            cout: 3,
+            k: 1,
+            stride: 1,
+            pad: 1,
+        },
     ];
 
     fn geom(c: &ConvCase) -> ConvGeom {
@@ -718,8 +766,10 @@ mod tests {
     fn bf16_math_matches_the_reference_on_rounded_operands() {
         // bf16 mode passes bf16-representable activations; the weight is
         // rounded by the GEMM itself. Shapes: the 7x7 s2 stem on 3 channels
-        // (odd K), a padded 3x3, a strided 1x1, and a multi-tile 3x3.
+        // (odd K), a padded 3x3, a strided 1x1, a multi-tile 3x3, and a
+        // 5x5 wider than its 2x2 input.
         let cases = [
+            (3, 5, 1, 2, 2, 4),
             (3, 7, 2, 3, 16, 8),
             (16, 3, 1, 1, 9, 24),
             (12, 1, 2, 0, 9, 40),
