@@ -668,9 +668,11 @@ fn measure_steps(a: &StepArgs, verbose: bool) -> Result<StepResult> {
     );
     pool.set_budget(budget);
     let mut times = Vec::new();
+    let mut timed_from = pool.stats();
     for i in 0..a.warmup + a.steps {
         if i == a.warmup {
             pool.reset_peak();
+            timed_from = pool.stats();
             memfit::profile::enable(a.profile);
         }
         let t = Instant::now();
@@ -710,6 +712,19 @@ fn measure_steps(a: &StepArgs, verbose: bool) -> Result<StepResult> {
         }
     }
     let total: f64 = times.iter().sum();
+    // Memory the cache could not serve: fresh pages cost faults and zeroing.
+    let now = pool.stats();
+    let fresh = now.system_alloc_bytes - timed_from.system_alloc_bytes;
+    let (fresh_n, reused) = (
+        now.system_allocs - timed_from.system_allocs,
+        now.reuses - timed_from.reuses,
+    );
+    println!(
+        "system allocations per timed step: {:.1} ({}); {reused} of {} requests served from the cache",
+        fresh_n as f64 / a.steps as f64,
+        fmt_bytes(fresh / a.steps),
+        reused + fresh_n
+    );
     times.sort_by(f64::total_cmp);
     let median = times[times.len() / 2];
     println!("median {median:.3} s/step, {:.2} img/s", n as f64 / median);
