@@ -125,8 +125,12 @@ fn join_residual(
         Tag::new(name, "relu_mask"),
     )?;
     if pool.computes() {
-        relu::add_relu_forward(z.f32_mut(), residual.f32(), mask.bits_mut());
-        p.round(z.f32_mut());
+        relu::add_relu_forward(
+            z.f32_mut(),
+            residual.f32(),
+            mask.bits_mut(),
+            p.chunk_round(),
+        );
     }
     Ok(mask)
 }
@@ -173,11 +177,17 @@ fn join_residual_backward(
     p: Precision,
 ) -> Result<()> {
     match down {
-        Some((ds, saved)) => ds.backward(pool, saved, d_z, x, d_x)?,
-        None if pool.computes() => add::add_assign(d_x.f32_mut(), d_z.f32()),
+        Some((ds, saved)) => {
+            ds.backward(pool, saved, d_z, x, d_x)?;
+            // The downsample's dgrad left d_x rounded when it runs in `p`,
+            // and rounding again would change nothing.
+            if ds.conv.precision != p {
+                p.round_tensor(pool, d_x);
+            }
+        }
+        None if pool.computes() => add::add_assign(d_x.f32_mut(), d_z.f32(), p.chunk_round()),
         None => {}
     }
-    p.round_tensor(pool, d_x);
     Ok(())
 }
 

@@ -130,7 +130,8 @@ impl Conv {
                 ws.f32_mut(),
                 self.precision.gemm_math(),
             );
-            if let Some(dx) = dx {
+            // A bf16 convolution returns dx rounded already.
+            if let Some(dx) = dx.filter(|_| self.precision != Precision::BF16) {
                 self.precision.round(dx.f32_mut());
             }
         }
@@ -297,9 +298,9 @@ impl BatchNorm {
                     self.bias.value.f32(),
                     self.c,
                     relu,
+                    self.precision.chunk_round(),
                 )
             });
-            self.precision.round(y.f32_mut());
         }
         Ok(y)
     }
@@ -331,9 +332,9 @@ impl BatchNorm {
                 relu_out.map(|t| t.f32()),
                 self.c,
                 stats.from_batch,
+                self.precision.chunk_round(),
             )
         });
-        self.precision.round(dx.f32_mut());
         Ok(dx)
     }
 }

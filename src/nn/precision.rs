@@ -23,6 +23,7 @@ use rayon::prelude::*;
 use crate::device::cpu::{GemmMath, bf16_to_f32, f32_to_bf16, round_to_bf16};
 use crate::error::{Error, Result};
 use crate::memory::{Category, Pool, Tag};
+use crate::ops::RoundChunk;
 use crate::tensor::{DType, Tensor};
 
 /// Elements per rayon task in the conversions: big enough to amortise the
@@ -86,15 +87,19 @@ impl Precision {
     /// Rounds every value to the nearest value of this type (ties to even;
     /// f16 overflows to ±inf as a real f16 op would). No-op for fp32.
     pub fn round(self, v: &mut [f32]) {
+        if let Some(round) = self.chunk_round() {
+            v.par_chunks_mut(CHUNK).for_each(round);
+        }
+    }
+
+    /// [`Precision::round`] on one chunk, on the calling thread: what a
+    /// kernel applies to each chunk of its output as it finishes it
+    /// ([`RoundChunk`]). `None` for fp32.
+    pub fn chunk_round(self) -> RoundChunk {
         match self {
-            Precision::F32 => {}
-            Precision::BF16 => v.par_chunks_mut(CHUNK).for_each(round_to_bf16),
-            // The slice conversions use F16C when the CPU has it.
-            Precision::F16 => v.par_chunks_mut(CHUNK).for_each(|c| {
-                let mut tmp = vec![f16::ZERO; c.len()];
-                tmp.convert_from_f32_slice(c);
-                tmp.convert_to_f32_slice(c);
-            }),
+            Precision::F32 => None,
+            Precision::BF16 => Some(round_to_bf16),
+            Precision::F16 => Some(round_to_f16),
         }
     }
 
@@ -211,6 +216,14 @@ pub fn rounded_weight(pool: &Pool, w: &Tensor, p: Precision, tag: Tag) -> Result
         p.round(out.f32_mut());
     }
     Ok(Some(out))
+}
+
+/// `v[i] = f32(f16(v[i]))`; the slice conversions use F16C when the CPU
+/// has it.
+fn round_to_f16(v: &mut [f32]) {
+    let mut tmp = vec![f16::ZERO; v.len()];
+    tmp.convert_from_f32_slice(v);
+    tmp.convert_to_f32_slice(v);
 }
 
 fn widen(dst: &mut [f32], src: &Tensor) {

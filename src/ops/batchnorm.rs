@@ -9,7 +9,7 @@
 
 use rayon::prelude::*;
 
-use crate::ops::REDUCE_CHUNK_ROWS;
+use crate::ops::{REDUCE_CHUNK_ROWS, RoundChunk};
 
 /// Rows summed in f32 before being added to the f64 chunk totals: short
 /// enough that f32 rounding stays far below the tests' tolerances, long
@@ -114,8 +114,8 @@ pub fn bn_rstd(rstd: &mut [f32], var: &[f32], eps: f32) {
     }
 }
 
-/// y = gamma·(x - mean)·rstd + beta, then ReLU when `relu`.
-/// Works for every mode: pass batch or running statistics.
+/// y = gamma·(x - mean)·rstd + beta, then ReLU when `relu`, then `round`
+/// per chunk. Works for every mode: pass batch or running statistics.
 #[allow(clippy::too_many_arguments)]
 pub fn bn_forward(
     y: &mut [f32],
@@ -126,6 +126,7 @@ pub fn bn_forward(
     beta: &[f32],
     c: usize,
     relu: bool,
+    round: RoundChunk,
 ) {
     // Fold into one multiply-add per element.
     let scale: Vec<f32> = gamma.iter().zip(rstd).map(|(g, r)| g * r).collect();
@@ -148,11 +149,17 @@ pub fn bn_forward(
     };
     y.par_chunks_mut(REDUCE_CHUNK_ROWS * c)
         .zip(x.par_chunks(REDUCE_CHUNK_ROWS * c))
-        .for_each(|(yc, xc)| rows_of(yc, xc));
+        .for_each(|(yc, xc)| {
+            rows_of(yc, xc);
+            if let Some(round) = round {
+                round(yc);
+            }
+        });
 }
 
-/// Gradients of [`bn_forward`]. `dx` is overwritten; `dgamma`, `dbeta`
-/// accumulate when given (frozen BN passes `None`).
+/// Gradients of [`bn_forward`]. `dx` is overwritten (and finished with
+/// `round` per chunk); `dgamma`, `dbeta` accumulate when given (frozen BN
+/// passes `None`).
 ///
 /// * `batch_stats`: the statistics came from this batch (training), so the
 ///   gradient flows through the mean and variance too; otherwise they are
@@ -175,6 +182,7 @@ pub fn bn_backward(
     relu_out: Option<&[f32]>,
     c: usize,
     batch_stats: bool,
+    round: RoundChunk,
 ) {
     let rows = x.len() / c;
     // g = dy where the fused ReLU passed (its output > 0), else 0. The
@@ -257,6 +265,9 @@ pub fn bn_backward(
                         }
                     }
                 }
+            }
+            if let Some(round) = round {
+                round(dxc);
             }
         });
 }
@@ -371,7 +382,7 @@ mod tests {
             bn_rstd(&mut rstd, &var, 1e-5);
             for relu in [false, true] {
                 let mut y = vec![0.0; rows * c];
-                bn_forward(&mut y, &x, &mean, &rstd, &gamma, &beta, c, relu);
+                bn_forward(&mut y, &x, &mean, &rstd, &gamma, &beta, c, relu, None);
                 let y_ref = bn_forward_ref(
                     &to_f64(&x),
                     &to_f64(&gamma),
@@ -397,6 +408,7 @@ mod tests {
                     relu_out,
                     c,
                     true,
+                    None,
                 );
                 // Reference: the mask applied to dy, then plain BN backward.
                 let dy_masked: Vec<f64> = dy
@@ -427,7 +439,7 @@ mod tests {
         let mut rstd = vec![0.0; c];
         bn_rstd(&mut rstd, &rv, 1e-5);
         let mut y = vec![0.0; rows * c];
-        bn_forward(&mut y, &x, &rm, &rstd, &gamma, &beta, c, false);
+        bn_forward(&mut y, &x, &rm, &rstd, &gamma, &beta, c, false, None);
         let (rm64, rv64) = (to_f64(&rm), to_f64(&rv));
         let y_ref = bn_forward_ref(
             &to_f64(&x),
@@ -442,7 +454,7 @@ mod tests {
         // Constant statistics: dx = dy·gamma·rstd; check against FD of the reference.
         let mut dx = vec![0.0; rows * c];
         bn_backward(
-            &mut dx, None, None, &dy, &x, &rm, &rstd, &gamma, None, c, false,
+            &mut dx, None, None, &dy, &x, &rm, &rstd, &gamma, None, c, false, None,
         );
         let fd = finite_diff(&to_f64(&x), 1e-6, |xp| {
             dot(

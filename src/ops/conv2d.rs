@@ -161,34 +161,50 @@ fn im2col_tile(col: &mut [f32], x: &[f32], g: &ConvGeom, row0: usize, rows: usiz
 
 /// [`im2col_tile`] straight into bf16 for the native bf16 GEMM: each patch
 /// row becomes ⌈K/2⌉ words of k-pairs (an odd tail zero), so the GEMM reads
-/// the patches in place instead of packing an f32 copy.
+/// the patches in place instead of packing an f32 copy. When `cin` is not a
+/// multiple of 16 (the stem's 3 channels) a patch is gathered in f32 first
+/// and converted as one row, so the vector converter sees whole blocks
+/// instead of a scalar tail per pixel; the bits are the same either way.
 fn im2col_tile_bf16(col: &mut [u32], x: &[f32], g: &ConvGeom, row0: usize, rows: usize) {
     let (oh, ow, k, cin) = (g.oh(), g.ow(), g.k(), g.cin);
     let k2 = k.div_ceil(2);
+    let gather = cin % 16 != 0;
     col[..rows * k2]
         .par_chunks_mut(k2)
         .enumerate()
-        .for_each(|(i, words)| {
-            let patch: &mut [u16] = bytemuck::cast_slice_mut(words);
-            if k % 2 == 1 {
-                patch[k] = 0;
-            }
-            let r = row0 + i;
-            let (n, oy, ox) = (r / (oh * ow), (r / ow) % oh, r % ow);
-            for ky in 0..g.kh {
-                let iy = (oy * g.stride + ky) as isize - g.pad as isize;
-                for kx in 0..g.kw {
-                    let ix = (ox * g.stride + kx) as isize - g.pad as isize;
-                    let dst = &mut patch[(ky * g.kw + kx) * cin..][..cin];
-                    if iy < 0 || ix < 0 || iy >= g.h as isize || ix >= g.w as isize {
-                        dst.fill(0);
-                    } else {
-                        let src = ((n * g.h + iy as usize) * g.w + ix as usize) * cin;
-                        f32_to_bf16(dst, &x[src..src + cin]);
+        .for_each_init(
+            || vec![0.0f32; if gather { k } else { 0 }],
+            |f32_patch, (i, words)| {
+                let patch: &mut [u16] = bytemuck::cast_slice_mut(words);
+                if k % 2 == 1 {
+                    patch[k] = 0;
+                }
+                let r = row0 + i;
+                let (n, oy, ox) = (r / (oh * ow), (r / ow) % oh, r % ow);
+                for ky in 0..g.kh {
+                    let iy = (oy * g.stride + ky) as isize - g.pad as isize;
+                    for kx in 0..g.kw {
+                        let ix = (ox * g.stride + kx) as isize - g.pad as isize;
+                        let at = (ky * g.kw + kx) * cin;
+                        let inside = iy >= 0 && ix >= 0 && iy < g.h as isize && ix < g.w as isize;
+                        let src = ((n * g.h + iy.max(0) as usize) * g.w + ix.max(0) as usize) * cin;
+                        match (gather, inside) {
+                            (true, true) => {
+                                f32_patch[at..at + cin].copy_from_slice(&x[src..src + cin])
+                            }
+                            (true, false) => f32_patch[at..at + cin].fill(0.0),
+                            (false, true) => {
+                                f32_to_bf16(&mut patch[at..at + cin], &x[src..src + cin])
+                            }
+                            (false, false) => patch[at..at + cin].fill(0),
+                        }
                     }
                 }
-            }
-        });
+                if gather {
+                    f32_to_bf16(&mut patch[..k], f32_patch);
+                }
+            },
+        );
 }
 
 /// Add patch gradients `dcol` (rows, K) of output rows `row0..row0+rows`
@@ -319,7 +335,8 @@ fn conv2d_forward_untimed(
 /// `ws` holds at least `g.backward_workspace_len()` floats.
 ///
 /// `math` is the GEMM arithmetic of both gradients (bf16 needs
-/// bf16-representable `dy`, `x` and `w`).
+/// bf16-representable `dy`, `x` and `w`, and returns `dx` rounded to bf16,
+/// its previous contents included, as a bf16 input gradient is).
 #[allow(clippy::too_many_arguments)]
 pub fn conv2d_backward(
     dx: Option<&mut [f32]>,
@@ -372,8 +389,9 @@ pub fn conv2d_backward(
         });
         if let Some(dx) = dx {
             assert_eq!(dx.len(), x.len(), "conv2d_backward: dx length");
-            timed(Family::ConvDgrad, flops, || {
-                gemm(dx, dym, w_t, Accumulate::Yes, math)
+            timed(Family::ConvDgrad, flops, || match math {
+                GemmMath::Bf16 => gemm_bf16_rounded(dx, dym, w_t, Accumulate::Yes),
+                GemmMath::F32 => gemm(dx, dym, w_t, Accumulate::Yes, math),
             });
         }
         return;
@@ -413,6 +431,10 @@ pub fn conv2d_backward(
                 col2im_tile(dx, dcol, g, row0, rows);
             });
         }
+    }
+    // Tiles overlap in dx, so it is rounded once all of them are in.
+    if let Some(dx) = dx.filter(|_| math == GemmMath::Bf16) {
+        dx.par_chunks_mut(1 << 14).for_each(round_to_bf16);
     }
 }
 
@@ -755,8 +777,45 @@ mod tests {
             assert_close(&format!("bf16 y {g:?}"), &y, &y_ref, 1e-4, 2f64.powi(-8));
             let (dx_ref, dw_ref) =
                 conv2d_backward_ref(&to_f64(&dy), &to_f64(&x), &to_f64(&w_rounded), &g);
-            assert_close(&format!("bf16 dx {g:?}"), &dx, &dx_ref, 1e-4, 1e-5);
+            assert_eq!(round(dx.clone()), dx, "bf16 dx is not rounded");
+            assert_close(&format!("bf16 dx {g:?}"), &dx, &dx_ref, 1e-4, 2f64.powi(-8));
             assert_close(&format!("bf16 dw {g:?}"), &dw, &dw_ref, 1e-3, 1e-5);
+        }
+    }
+
+    #[test]
+    fn bf16_patches_are_the_rounded_f32_patches() {
+        // Both im2col paths (direct for cin % 16 == 0, gathered otherwise),
+        // odd and even K, padding and stride.
+        for (cin, kk, stride, pad) in [(3, 7, 2, 3), (5, 3, 1, 1), (16, 3, 2, 1), (32, 1, 2, 0)] {
+            let g = ConvGeom {
+                n: 2,
+                h: 9,
+                w: 7,
+                cin,
+                cout: 4,
+                kh: kk,
+                kw: kk,
+                stride,
+                pad,
+            };
+            let mut r = rng(6);
+            let x = rand_vec(&mut r, g.input_len());
+            let (k, rows) = (g.k(), g.rows());
+            let mut col = vec![f32::NAN; rows * k];
+            im2col_tile(&mut col, &x, &g, 0, rows);
+            let k2 = k.div_ceil(2);
+            let mut want = vec![0u16; rows * 2 * k2];
+            for (w, c) in want.chunks_exact_mut(2 * k2).zip(col.chunks_exact(k)) {
+                f32_to_bf16(&mut w[..k], c);
+            }
+            // Two tiles, the second starting mid-image.
+            let mut words = vec![u32::MAX; rows * k2];
+            let split = rows / 2 + 1;
+            im2col_tile_bf16(&mut words, &x, &g, 0, split);
+            im2col_tile_bf16(&mut words[split * k2..], &x, &g, split, rows - split);
+            let got: &[u16] = bytemuck::cast_slice(&words);
+            assert_eq!(got, &want[..], "{g:?}");
         }
     }
 

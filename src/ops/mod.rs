@@ -23,6 +23,13 @@ pub mod relu;
 #[cfg(test)]
 pub(crate) mod testutil;
 
+/// How a kernel finishes each chunk of its output while the chunk is still
+/// in cache: the mixed-precision rounding (`Precision::chunk_round` in
+/// `nn`), or nothing under fp32. Rounding is elementwise, so rounding chunk
+/// by chunk gives the bits a separate pass over the whole output would,
+/// without reading and writing the output a second time.
+pub type RoundChunk = Option<fn(&mut [f32])>;
+
 /// Rows per chunk for per-channel reductions: fixed, so the summation order
 /// (and therefore the result) is the same whatever the thread count.
 pub(crate) const REDUCE_CHUNK_ROWS: usize = 512;

@@ -3,6 +3,8 @@
 
 use rayon::prelude::*;
 
+use crate::ops::RoundChunk;
+
 const CHUNK: usize = 1 << 14; // elements per parallel chunk, a multiple of 8
 
 /// y = max(x, 0).
@@ -27,9 +29,10 @@ pub fn relu_backward(dx: &mut [f32], dy: &[f32], y: &[f32]) {
         });
 }
 
-/// In place: x = max(x + residual, 0), and bit i of `mask` = (x_i > 0).
-/// This is the residual add and final ReLU of a block in one pass.
-pub fn add_relu_forward(x: &mut [f32], residual: &[f32], mask: &mut [u8]) {
+/// In place: x = max(x + residual, 0), and bit i of `mask` = (x_i > 0),
+/// then `round` per chunk. This is the residual add and final ReLU of a
+/// block in one pass.
+pub fn add_relu_forward(x: &mut [f32], residual: &[f32], mask: &mut [u8], round: RoundChunk) {
     assert_eq!(x.len(), residual.len(), "add_relu_forward: lengths");
     assert_eq!(
         mask.len(),
@@ -51,6 +54,9 @@ pub fn add_relu_forward(x: &mut [f32], residual: &[f32], mask: &mut [u8]) {
                     *v = if pos { s } else { 0.0 };
                 }
                 *m = bits;
+            }
+            if let Some(round) = round {
+                round(x);
             }
         });
 }
@@ -135,7 +141,7 @@ mod tests {
 
         let mut s = x.clone();
         let mut mask = vec![0xff; n.div_ceil(8)];
-        add_relu_forward(&mut s, &res, &mut mask);
+        add_relu_forward(&mut s, &res, &mut mask, None);
         let sum: Vec<f64> = x.iter().zip(&res).map(|(&a, &b)| (a + b) as f64).collect();
         assert_close("add_relu", &s, &relu_ref(&sum), 0.0, 0.0);
         let mut dx = vec![9.0; n];
