@@ -10,8 +10,8 @@
 use rayon::prelude::*;
 
 use crate::device::cpu::{
-    Accumulate, GemmMath, Lhs, MatRef, f32_to_bf16, gemm, gemm_bf16_lhs, gemm_bf16_rounded,
-    round_to_bf16,
+    Accumulate, GemmMath, Lhs, MatRef, Rhs, f32_to_bf16, gemm, gemm_bf16_lhs, gemm_bf16_rounded,
+    pack_rhs, round_to_bf16,
 };
 use crate::error::{Error, Result};
 use crate::profile::{Family, timed};
@@ -308,17 +308,19 @@ fn conv2d_forward_untimed(
     let (k, tile) = (g.k(), g.tile_rows());
     assert!(ws.len() >= tile * k, "conv2d_forward: workspace too small");
     // The native bf16 GEMM takes the patches as bf16 rows: half the bytes
-    // written, and no second pass to pack them.
+    // written, and no second pass to pack them; the weight is packed once
+    // for all tiles.
     let native_bf16 = math.native_bf16();
+    let w_packed = native_bf16.then(|| pack_rhs(wm));
     for row0 in (0..g.rows()).step_by(tile) {
         let rows = tile.min(g.rows() - row0);
         let y_tile = &mut y[row0 * g.cout..(row0 + rows) * g.cout];
-        if native_bf16 {
+        if let Some(w_packed) = &w_packed {
             let words: &mut [u32] = bytemuck::cast_slice_mut(&mut ws[..]);
             im2col_tile_bf16(words, x, g, row0, rows);
             let words = &words[..rows * k.div_ceil(2)];
             let a = Lhs::Bf16Rows { words, rows, k };
-            gemm_bf16_lhs(y_tile, a, wm, Accumulate::No, true);
+            gemm_bf16_lhs(y_tile, a, Rhs::Packed(w_packed), Accumulate::No, true);
             continue;
         }
         im2col_tile(ws, x, g, row0, rows);
@@ -403,6 +405,9 @@ pub fn conv2d_backward(
     );
     let (col, dcol) = ws.split_at_mut(tile * k);
     let mut dx = dx;
+    // The weight is the right operand of every tile's input gradient: pack
+    // it once.
+    let w_t_packed = (dx.is_some() && math.native_bf16()).then(|| pack_rhs(w_t));
     for row0 in (0..g.rows()).step_by(tile) {
         let rows = tile.min(g.rows() - row0);
         let dy_tile = MatRef::row_major(&dy[row0 * cout..(row0 + rows) * cout], rows, cout);
@@ -418,7 +423,7 @@ pub fn conv2d_backward(
                     m: k,
                     k: rows,
                 };
-                gemm_bf16_lhs(dw, a, dy_tile, Accumulate::Yes, false);
+                gemm_bf16_lhs(dw, a, Rhs::F32(dy_tile), Accumulate::Yes, false);
                 return;
             }
             im2col_tile(col, x, g, row0, rows);
@@ -427,7 +432,17 @@ pub fn conv2d_backward(
         });
         if let Some(dx) = dx.as_deref_mut() {
             timed(Family::ConvDgrad, flops, || {
-                gemm(&mut dcol[..rows * k], dy_tile, w_t, Accumulate::No, math);
+                let dcol = &mut dcol[..rows * k];
+                match &w_t_packed {
+                    Some(p) => gemm_bf16_lhs(
+                        dcol,
+                        Lhs::F32(dy_tile),
+                        Rhs::Packed(p),
+                        Accumulate::No,
+                        false,
+                    ),
+                    None => gemm(dcol, dy_tile, w_t, Accumulate::No, math),
+                }
                 col2im_tile(dx, dcol, g, row0, rows);
             });
         }
