@@ -44,6 +44,16 @@ fn bn_relu_view<'a>(
     }
 }
 
+/// The block input as its readers take it: `None` when the convolutions
+/// read `x` in place (f32, or bf16 with the native bf16 GEMM; the residual
+/// add reads either), else an f32 copy.
+fn block_input<'a>(pool: &Pool, x: &'a Tensor, conv: &Conv) -> Result<Option<F32View<'a>>> {
+    if conv.reads_in_place(x) {
+        return Ok(None);
+    }
+    f32_view(pool, x).map(Some)
+}
+
 /// The 1×1 conv + BN on the residual path of a shape-changing block.
 pub struct Downsample {
     pub conv: Conv,
@@ -79,7 +89,8 @@ impl Downsample {
         })
     }
 
-    /// `x` is the block input as f32; `sp` the precision to store in.
+    /// `x` is the block input (f32, or bf16 its convolution reads in
+    /// place); `sp` the precision to store in.
     fn forward(
         &mut self,
         pool: &Pool,
@@ -125,19 +136,18 @@ fn join_residual(
         Tag::new(name, "relu_mask"),
     )?;
     if pool.computes() {
-        relu::add_relu_forward(
-            z.f32_mut(),
-            residual.f32(),
-            mask.bits_mut(),
-            p.chunk_round(),
-        );
+        let (z, mask, round) = (z.f32_mut(), mask.bits_mut(), p.chunk_round());
+        match residual.dtype() {
+            DType::BF16 => relu::add_relu_forward(z, residual.bf16(), mask, round),
+            _ => relu::add_relu_forward(z, residual.f32(), mask, round),
+        }
     }
     Ok(mask)
 }
 
-/// The end of a block's forward: the residual (the input `xv`, or its
-/// downsample) joins `z` with the final ReLU, the f32 view of the input is
-/// released, and the output is stored in the block's precision `p` (`sp`:
+/// The end of a block's forward: the residual (the input `x`, or its
+/// downsample) joins `z` with the final ReLU, the f32 copy of the input (if
+/// any) is released, and the output is stored in the block's precision `p` (`sp`:
 /// the precision of what the backward keeps). Returns (output, ReLU mask,
 /// what the downsample's backward needs).
 #[allow(clippy::too_many_arguments)]
@@ -146,22 +156,24 @@ fn finish_block(
     name: &Arc<str>,
     downsample: Option<&mut Downsample>,
     mut z: Tensor,
-    xv: F32View<'_>,
+    x: &Tensor,
+    x_copy: Option<F32View<'_>>,
     mode: Mode,
     sp: Precision,
     p: Precision,
 ) -> Result<(Tensor, Tensor, Option<DownsampleSaved>)> {
+    let xv = x_copy.as_deref().unwrap_or(x);
     let (mask, down) = match downsample {
         Some(ds) => {
-            let (identity, saved) = ds.forward(pool, &xv, mode, sp)?;
+            let (identity, saved) = ds.forward(pool, xv, mode, sp)?;
             (
                 join_residual(pool, name, &mut z, &identity, p)?,
                 Some(saved),
             )
         }
-        None => (join_residual(pool, name, &mut z, &xv, p)?, None),
+        None => (join_residual(pool, name, &mut z, xv, p)?, None),
     };
-    drop(xv);
+    drop(x_copy);
     Ok((store(pool, z, p)?, mask, down))
 }
 
@@ -290,8 +302,10 @@ impl BasicBlock {
         let p = self.precision;
         // Eval keeps nothing past the block, so converting would be waste.
         let sp = if mode.saves() { p } else { Precision::F32 };
-        let xv = f32_view(pool, &x)?;
-        let y1 = self.conv1.forward(pool, &xv, "y")?;
+        let x_copy = block_input(pool, &x, &self.conv1)?;
+        let y1 = self
+            .conv1
+            .forward(pool, x_copy.as_deref().unwrap_or(&x), "y")?;
         let (a1, bn1) = self.bn1.forward(pool, &y1, true, mode, "a")?;
         let y1 = store(pool, y1, sp)?;
         let y2 = self.conv2.forward(pool, &a1, "y")?;
@@ -303,7 +317,8 @@ impl BasicBlock {
             &self.name,
             self.downsample.as_mut(),
             z,
-            xv,
+            &x,
+            x_copy,
             mode,
             sp,
             p,
@@ -343,12 +358,13 @@ impl BasicBlock {
         let d_y1 = self.bn1.backward(pool, &d_a1, &y1, &s.bn1, Some(&a1))?;
         drop((d_a1, a1, y1));
         drop((s.a1, s.y1, s.bn1));
-        let x = f32_view(pool, &s.x)?;
-        let mut d_x = Conv::zeros_like(pool, &x, Tag::new(&self.name, "dx"))?;
-        self.conv1.backward(pool, &d_y1, &x, Some(&mut d_x))?;
+        let x_copy = block_input(pool, &s.x, &self.conv1)?;
+        let x = x_copy.as_deref().unwrap_or(&s.x);
+        let mut d_x = Conv::zeros_like(pool, x, Tag::new(&self.name, "dx"))?;
+        self.conv1.backward(pool, &d_y1, x, Some(&mut d_x))?;
         drop(d_y1);
         let down = self.downsample.as_mut().zip(s.down);
-        join_residual_backward(pool, down, &d_z, &x, &mut d_x, p)?;
+        join_residual_backward(pool, down, &d_z, x, &mut d_x, p)?;
         Ok(d_x)
     }
 
@@ -479,8 +495,10 @@ impl Bottleneck {
         // Eval keeps nothing past the block, so converting would be waste.
         let sp = if mode.saves() { p } else { Precision::F32 };
         let cheap = self.recompute_bn_relu;
-        let xv = f32_view(pool, &x)?;
-        let y1 = self.conv1.forward(pool, &xv, "y")?;
+        let x_copy = block_input(pool, &x, &self.conv1)?;
+        let y1 = self
+            .conv1
+            .forward(pool, x_copy.as_deref().unwrap_or(&x), "y")?;
         let (a1, bn1) = self.bn1.forward(pool, &y1, true, mode, "a")?;
         let y1 = store(pool, y1, sp)?;
         let y2 = self.conv2.forward(pool, &a1, "y")?;
@@ -496,7 +514,8 @@ impl Bottleneck {
             &self.name,
             self.downsample.as_mut(),
             z,
-            xv,
+            &x,
+            x_copy,
             mode,
             sp,
             p,
@@ -552,12 +571,13 @@ impl Bottleneck {
         let d_y1 = self.bn1.backward(pool, &d_a1, &y1, &s.bn1, Some(&a1))?;
         drop((d_a1, a1, y1));
         drop((s.a1, s.y1, s.bn1));
-        let x = f32_view(pool, &s.x)?;
-        let mut d_x = Conv::zeros_like(pool, &x, Tag::new(&self.name, "dx"))?;
-        self.conv1.backward(pool, &d_y1, &x, Some(&mut d_x))?;
+        let x_copy = block_input(pool, &s.x, &self.conv1)?;
+        let x = x_copy.as_deref().unwrap_or(&s.x);
+        let mut d_x = Conv::zeros_like(pool, x, Tag::new(&self.name, "dx"))?;
+        self.conv1.backward(pool, &d_y1, x, Some(&mut d_x))?;
         drop(d_y1);
         let down = self.downsample.as_mut().zip(s.down);
-        join_residual_backward(pool, down, &d_z, &x, &mut d_x, p)?;
+        join_residual_backward(pool, down, &d_z, x, &mut d_x, p)?;
         Ok(d_x)
     }
 

@@ -7,12 +7,12 @@ use rand::rngs::ChaCha8Rng;
 
 use crate::error::Result;
 use crate::memory::{Category, Pool, Tag};
-use crate::nn::precision::rounded_weight;
+use crate::nn::precision::{F32View, f32_view, rounded_weight};
 use crate::nn::{BnPolicy, Mode, Param, Precision, normal, uniform};
-use crate::ops::conv2d::ConvGeom;
+use crate::ops::conv2d::{ConvGeom, ConvInput};
 use crate::ops::{batchnorm as bn, conv2d, linear};
 use crate::profile::{Family, timed};
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 
 /// A convolution without bias. Weight layout (kh, kw, cin, cout).
 pub struct Conv {
@@ -68,11 +68,43 @@ impl Conv {
         }
     }
 
-    /// `x` is f32 (under mixed precision, already rounded to the low type).
+    /// Whether the kernels read `x` as it is stored: f32, or bf16 with the
+    /// native bf16 GEMM (rows of whole words: even `cin`).
+    pub fn reads_in_place(&self, x: &Tensor) -> bool {
+        match x.dtype() {
+            DType::F32 => true,
+            DType::BF16 => self.precision.gemm_math().native_bf16() && self.cin.is_multiple_of(2),
+            _ => false,
+        }
+    }
+
+    /// An f32 copy of `x` when the kernels cannot read it in place.
+    fn input_copy<'a>(&self, pool: &Pool, x: &'a Tensor) -> Result<Option<F32View<'a>>> {
+        if self.reads_in_place(x) {
+            return Ok(None);
+        }
+        f32_view(pool, x).map(Some)
+    }
+
+    /// The kernels' view of `x` (or of its copy).
+    fn input<'a>(x: &'a Tensor, copy: &'a Option<F32View<'_>>) -> ConvInput<'a> {
+        match copy {
+            Some(v) => ConvInput::F32(v.f32()),
+            None if x.dtype() == DType::F32 => ConvInput::F32(x.f32()),
+            // Heap blocks from the system allocator are 16-byte aligned on
+            // x86-64 (the only target with the native kernel), and `cin` is
+            // even, so the bf16 storage is whole aligned words.
+            None => ConvInput::Bf16Words(bytemuck::cast_slice(x.bf16())),
+        }
+    }
+
+    /// `x` is f32 or stored in bf16 (under mixed precision its values are
+    /// rounded to the low type either way).
     pub fn forward(&self, pool: &Pool, x: &Tensor, field: &'static str) -> Result<Tensor> {
         let (n, h, w, _) = x.shape().nhwc();
         let g = self.geom(n, h, w);
         g.validate()?;
+        let x_copy = self.input_copy(pool, x)?;
         let mut y = pool.empty_f32(
             &[n, g.oh(), g.ow(), self.cout],
             Category::Activations,
@@ -87,7 +119,7 @@ impl Conv {
         if pool.computes() {
             conv2d::conv2d_forward(
                 y.f32_mut(),
-                x.f32(),
+                Self::input(x, &x_copy),
                 w_low.as_ref().unwrap_or(&self.weight.value).f32(),
                 &g,
                 ws.f32_mut(),
@@ -112,6 +144,7 @@ impl Conv {
     ) -> Result<()> {
         let (n, h, w, _) = x.shape().nhwc();
         let g = self.geom(n, h, w);
+        let x_copy = self.input_copy(pool, x)?;
         let w_low = self.gemm_weight(pool)?;
         let mut ws = pool.empty_f32(
             &[g.backward_workspace_len()],
@@ -124,7 +157,7 @@ impl Conv {
                 dx.as_deref_mut().map(|t| t.f32_mut()),
                 self.weight.grad.f32_mut(),
                 dy.f32(),
-                x.f32(),
+                Self::input(x, &x_copy),
                 w_low.as_ref().unwrap_or(&self.weight.value).f32(),
                 &g,
                 ws.f32_mut(),
