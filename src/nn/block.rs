@@ -8,7 +8,7 @@ use rand::rngs::ChaCha8Rng;
 
 use crate::error::Result;
 use crate::memory::{Category, Pool, Tag};
-use crate::nn::precision::{F32View, f32_view, store};
+use crate::nn::precision::{View, bf16_or_f32_view, f32_view, store};
 use crate::nn::{BatchNorm, BnStats, Conv, Mode, Precision};
 use crate::ops::{add, relu};
 use crate::tensor::{DType, Tensor};
@@ -23,18 +23,19 @@ fn keep_bn_relu(pool: &Pool, a: Tensor, p: Precision, recompute: bool) -> Result
     store(pool, a, p).map(Some)
 }
 
-/// The f32 BN+ReLU output a backward needs: the kept tensor, or
-/// `relu(bn(y))` recomputed with the forward's statistics.
+/// The BN+ReLU output a backward needs: the kept tensor (read in place
+/// when f32 or bf16), or `relu(bn(y))` recomputed in f32 with the
+/// forward's statistics.
 fn bn_relu_view<'a>(
     pool: &Pool,
     kept: &'a Option<Tensor>,
     bn: &BatchNorm,
     y: &Tensor,
     stats: &BnStats,
-) -> Result<F32View<'a>> {
+) -> Result<View<'a>> {
     match kept {
-        Some(a) => f32_view(pool, a),
-        None => Ok(F32View::Owned(bn.apply(
+        Some(a) => bf16_or_f32_view(pool, a),
+        None => Ok(View::Owned(bn.apply(
             pool,
             y,
             stats,
@@ -47,7 +48,7 @@ fn bn_relu_view<'a>(
 /// The block input as its readers take it: `None` when the convolutions
 /// read `x` in place (f32, or bf16 with the native bf16 GEMM; the residual
 /// add reads either), else an f32 copy.
-fn block_input<'a>(pool: &Pool, x: &'a Tensor, conv: &Conv) -> Result<Option<F32View<'a>>> {
+fn block_input<'a>(pool: &Pool, x: &'a Tensor, conv: &Conv) -> Result<Option<View<'a>>> {
     if conv.reads_in_place(x) {
         return Ok(None);
     }
@@ -112,7 +113,7 @@ impl Downsample {
         x: &Tensor,
         dx: &mut Tensor,
     ) -> Result<()> {
-        let y = f32_view(pool, &s.y)?;
+        let y = bf16_or_f32_view(pool, &s.y)?;
         let d_y = self.bn.backward(pool, d_out, &y, &s.bn, None)?;
         drop(y);
         drop(s);
@@ -157,7 +158,7 @@ fn finish_block(
     downsample: Option<&mut Downsample>,
     mut z: Tensor,
     x: &Tensor,
-    x_copy: Option<F32View<'_>>,
+    x_copy: Option<View<'_>>,
     mode: Mode,
     sp: Precision,
     p: Precision,
@@ -346,11 +347,11 @@ impl BasicBlock {
             relu::relu_mask_backward_inplace(d_out.f32_mut(), s.mask.bits());
         }
         let d_z = d_out;
-        let y2 = f32_view(pool, &s.y2)?;
+        let y2 = bf16_or_f32_view(pool, &s.y2)?;
         let d_y2 = self.bn2.backward(pool, &d_z, &y2, &s.bn2, None)?;
         drop(y2);
         drop((s.y2, s.bn2));
-        let y1 = f32_view(pool, &s.y1)?;
+        let y1 = bf16_or_f32_view(pool, &s.y1)?;
         let a1 = bn_relu_view(pool, &s.a1, &self.bn1, &y1, &s.bn1)?;
         let mut d_a1 = Conv::zeros_like(pool, &a1, Tag::new(&self.name, "d_a1"))?;
         self.conv2.backward(pool, &d_y2, &a1, Some(&mut d_a1))?;
@@ -551,11 +552,11 @@ impl Bottleneck {
             relu::relu_mask_backward_inplace(d_out.f32_mut(), s.mask.bits());
         }
         let d_z = d_out;
-        let y3 = f32_view(pool, &s.y3)?;
+        let y3 = bf16_or_f32_view(pool, &s.y3)?;
         let d_y3 = self.bn3.backward(pool, &d_z, &y3, &s.bn3, None)?;
         drop(y3);
         drop((s.y3, s.bn3));
-        let y2 = f32_view(pool, &s.y2)?;
+        let y2 = bf16_or_f32_view(pool, &s.y2)?;
         let a2 = bn_relu_view(pool, &s.a2, &self.bn2, &y2, &s.bn2)?;
         let mut d_a2 = Conv::zeros_like(pool, &a2, Tag::new(&self.name, "d_a2"))?;
         self.conv3.backward(pool, &d_y3, &a2, Some(&mut d_a2))?;
@@ -563,7 +564,7 @@ impl Bottleneck {
         let d_y2 = self.bn2.backward(pool, &d_a2, &y2, &s.bn2, Some(&a2))?;
         drop((d_a2, a2, y2));
         drop((s.a2, s.y2, s.bn2));
-        let y1 = f32_view(pool, &s.y1)?;
+        let y1 = bf16_or_f32_view(pool, &s.y1)?;
         let a1 = bn_relu_view(pool, &s.a1, &self.bn1, &y1, &s.bn1)?;
         let mut d_a1 = Conv::zeros_like(pool, &a1, Tag::new(&self.name, "d_a1"))?;
         self.conv2.backward(pool, &d_y2, &a1, Some(&mut d_a1))?;

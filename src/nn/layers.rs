@@ -7,10 +7,10 @@ use rand::rngs::ChaCha8Rng;
 
 use crate::error::Result;
 use crate::memory::{Category, Pool, Tag};
-use crate::nn::precision::{F32View, f32_view, rounded_weight};
+use crate::nn::precision::{View, f32_view, rounded_weight};
 use crate::nn::{BnPolicy, Mode, Param, Precision, normal, uniform};
 use crate::ops::conv2d::{ConvGeom, ConvInput};
-use crate::ops::{batchnorm as bn, conv2d, linear};
+use crate::ops::{ReadF32, RoundChunk, batchnorm as bn, conv2d, linear};
 use crate::profile::{Family, timed};
 use crate::tensor::{DType, Tensor};
 
@@ -79,7 +79,7 @@ impl Conv {
     }
 
     /// An f32 copy of `x` when the kernels cannot read it in place.
-    fn input_copy<'a>(&self, pool: &Pool, x: &'a Tensor) -> Result<Option<F32View<'a>>> {
+    fn input_copy<'a>(&self, pool: &Pool, x: &'a Tensor) -> Result<Option<View<'a>>> {
         if self.reads_in_place(x) {
             return Ok(None);
         }
@@ -87,7 +87,7 @@ impl Conv {
     }
 
     /// The kernels' view of `x` (or of its copy).
-    fn input<'a>(x: &'a Tensor, copy: &'a Option<F32View<'_>>) -> ConvInput<'a> {
+    fn input<'a>(x: &'a Tensor, copy: &'a Option<View<'_>>) -> ConvInput<'a> {
         match copy {
             Some(v) => ConvInput::F32(v.f32()),
             None if x.dtype() == DType::F32 => ConvInput::F32(x.f32()),
@@ -310,7 +310,8 @@ impl BatchNorm {
     /// Normalises `x` with given statistics (and ReLU when `relu`): the
     /// forward's second half, and what a backward runs again to recompute
     /// a BN+ReLU output instead of storing it (bit-identical to the
-    /// forward's, as the same kernel sees the same inputs).
+    /// forward's, as the same kernel sees the same values). `x` is f32 or
+    /// bf16, read in place.
     pub fn apply(
         &self,
         pool: &Pool,
@@ -321,24 +322,22 @@ impl BatchNorm {
     ) -> Result<Tensor> {
         let mut y = pool.empty_f32(x.dims(), Category::Activations, tag)?;
         if pool.computes() {
-            timed(Family::BatchNorm, 0, || {
-                bn::bn_forward(
-                    y.f32_mut(),
-                    x.f32(),
-                    stats.mean.f32(),
-                    stats.rstd.f32(),
-                    self.weight.value.f32(),
-                    self.bias.value.f32(),
-                    self.c,
-                    relu,
-                    self.precision.chunk_round(),
-                )
+            let (mean, rstd) = (stats.mean.f32(), stats.rstd.f32());
+            let (gamma, beta) = (self.weight.value.f32(), self.bias.value.f32());
+            let round = self.precision.chunk_round();
+            let y = y.f32_mut();
+            timed(Family::BatchNorm, 0, || match x.dtype() {
+                DType::BF16 => {
+                    bn::bn_forward(y, x.bf16(), mean, rstd, gamma, beta, self.c, relu, round)
+                }
+                _ => bn::bn_forward(y, x.f32(), mean, rstd, gamma, beta, self.c, relu, round),
             });
         }
         Ok(y)
     }
 
-    /// Returns dx; accumulates the affine gradients unless frozen.
+    /// Returns dx; accumulates the affine gradients unless frozen. `x` and
+    /// `relu_out` are f32 or bf16, read in place.
     pub fn backward(
         &mut self,
         pool: &Pool,
@@ -352,23 +351,65 @@ impl BatchNorm {
         if !pool.computes() {
             return Ok(dx);
         }
-        timed(Family::BatchNorm, 0, || {
-            bn::bn_backward(
-                dx.f32_mut(),
-                (!frozen).then(|| self.weight.grad.f32_mut()),
-                (!frozen).then(|| self.bias.grad.f32_mut()),
-                dy.f32(),
-                x.f32(),
-                stats.mean.f32(),
-                stats.rstd.f32(),
-                self.weight.value.f32(),
-                relu_out.map(|t| t.f32()),
-                self.c,
-                stats.from_batch,
-                self.precision.chunk_round(),
-            )
+        let args = BnBackwardArgs {
+            dx: dx.f32_mut(),
+            dgamma: (!frozen).then(|| self.weight.grad.f32_mut()),
+            dbeta: (!frozen).then(|| self.bias.grad.f32_mut()),
+            dy: dy.f32(),
+            mean: stats.mean.f32(),
+            rstd: stats.rstd.f32(),
+            gamma: self.weight.value.f32(),
+            c: self.c,
+            batch_stats: stats.from_batch,
+            round: self.precision.chunk_round(),
+        };
+        timed(Family::BatchNorm, 0, || match x.dtype() {
+            DType::BF16 => args.run(x.bf16(), relu_out),
+            _ => args.run(x.f32(), relu_out),
         });
         Ok(dx)
+    }
+}
+
+/// The arguments of one `bn_backward` besides the two that may be stored in
+/// bf16 (`x`, `relu_out`), whose element types `run` dispatches on.
+struct BnBackwardArgs<'a> {
+    dx: &'a mut [f32],
+    dgamma: Option<&'a mut [f32]>,
+    dbeta: Option<&'a mut [f32]>,
+    dy: &'a [f32],
+    mean: &'a [f32],
+    rstd: &'a [f32],
+    gamma: &'a [f32],
+    c: usize,
+    batch_stats: bool,
+    round: RoundChunk,
+}
+
+impl BnBackwardArgs<'_> {
+    fn run<X: ReadF32>(self, x: &[X], relu_out: Option<&Tensor>) {
+        match relu_out {
+            Some(o) if o.dtype() == DType::BF16 => self.run2(x, Some(o.bf16())),
+            Some(o) => self.run2(x, Some(o.f32())),
+            None => self.run2(x, None::<&[f32]>),
+        }
+    }
+
+    fn run2<X: ReadF32, O: ReadF32>(self, x: &[X], relu_out: Option<&[O]>) {
+        bn::bn_backward(
+            self.dx,
+            self.dgamma,
+            self.dbeta,
+            self.dy,
+            x,
+            self.mean,
+            self.rstd,
+            self.gamma,
+            relu_out,
+            self.c,
+            self.batch_stats,
+            self.round,
+        )
     }
 }
 

@@ -132,34 +132,44 @@ impl FromStr for Precision {
     }
 }
 
-/// An f32 view of an activation: the tensor itself when it is f32, else an
-/// f32 copy in the workspace that is freed when the view drops.
-pub enum F32View<'a> {
+/// An activation as a kernel reads it: the tensor itself, or a converted
+/// copy in the workspace that is freed when the view drops.
+pub enum View<'a> {
     Borrowed(&'a Tensor),
     Owned(Tensor),
 }
 
-impl Deref for F32View<'_> {
+impl Deref for View<'_> {
     type Target = Tensor;
     fn deref(&self) -> &Tensor {
         match self {
-            F32View::Borrowed(t) => t,
-            F32View::Owned(t) => t,
+            View::Borrowed(t) => t,
+            View::Owned(t) => t,
         }
     }
 }
 
 /// Reads `t` as f32 (exact: every stored value is representable).
-pub fn f32_view<'a>(pool: &Pool, t: &'a Tensor) -> Result<F32View<'a>> {
+pub fn f32_view<'a>(pool: &Pool, t: &'a Tensor) -> Result<View<'a>> {
     if t.dtype() == DType::F32 {
-        return Ok(F32View::Borrowed(t));
+        return Ok(View::Borrowed(t));
     }
     let (tag, _) = t.meta();
     let mut out = pool.empty_f32(t.dims(), Category::Workspace, tag)?;
     if pool.computes() {
         widen(out.f32_mut(), t);
     }
-    Ok(F32View::Owned(out))
+    Ok(View::Owned(out))
+}
+
+/// `t` as the kernels that read bf16 in place (batch norm, the residual
+/// add, the native-GEMM convolutions) take it: itself when it is f32 or
+/// bf16, else an exact f32 copy (f16).
+pub fn bf16_or_f32_view<'a>(pool: &Pool, t: &'a Tensor) -> Result<View<'a>> {
+    if t.dtype() == DType::BF16 {
+        return Ok(View::Borrowed(t));
+    }
+    f32_view(pool, t)
 }
 
 /// `t` as an owned f32 tensor in its own category: itself when it is f32,
@@ -301,7 +311,7 @@ mod tests {
         let t = store(&pool, t, Precision::F32).unwrap();
         let v = f32_view(&pool, &t).unwrap();
         assert_eq!(pool.live_bytes(), before, "no copies under fp32");
-        assert!(matches!(v, F32View::Borrowed(_)));
+        assert!(matches!(v, View::Borrowed(_)));
         assert_eq!("bf16".parse::<Precision>().unwrap(), Precision::BF16);
         assert!("int8".parse::<Precision>().is_err());
     }
