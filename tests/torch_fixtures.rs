@@ -7,7 +7,9 @@ use memfit::exec::{LossOptions, Plan, forward_backward};
 use memfit::io::{TensorFile, load_state_dict, nchw_to_nhwc, nhwc_to_nchw};
 use memfit::memory::{Category, Pool, Tag};
 use memfit::nn::{BatchNorm, BlockKind, Mode, ResNet, ResNetConfig, StateSlot, StemKind};
-use memfit::ops::conv2d::{ConvGeom, conv2d_backward, conv2d_forward, hwio_to_oihw, oihw_to_hwio};
+use memfit::ops::conv2d::{
+    ConvGeom, ConvInput, conv2d_backward, conv2d_forward, hwio_to_oihw, oihw_to_hwio,
+};
 use memfit::ops::cross_entropy::cross_entropy_forward_backward;
 use memfit::ops::maxpool::{PoolGeom, maxpool_backward, maxpool_forward};
 
@@ -60,7 +62,14 @@ fn conv_case(name: &str, stride: usize, pad: usize) {
     };
     let mut work = vec![0.0; g.backward_workspace_len()];
     let mut y = vec![0.0; g.output_len()];
-    conv2d_forward(&mut y, &x, &weight, &g, &mut work, GemmMath::F32);
+    conv2d_forward(
+        &mut y,
+        ConvInput::F32(&x),
+        &weight,
+        &g,
+        &mut work,
+        GemmMath::F32,
+    );
     let (y_ref, _) = nchw(&f, "y");
     check(&format!("{name} y"), &y, &y_ref, 1e-5, 1e-5);
     let (dy, _) = nchw(&f, "dy");
@@ -69,7 +78,7 @@ fn conv_case(name: &str, stride: usize, pad: usize) {
         Some(&mut dx),
         &mut dw,
         &dy,
-        &x,
+        ConvInput::F32(&x),
         &weight,
         &g,
         &mut work,

@@ -8,7 +8,7 @@ use rand::rngs::ChaCha8Rng;
 
 use crate::error::Result;
 use crate::memory::{Category, Pool, Tag};
-use crate::nn::precision::{F32View, f32_view, store};
+use crate::nn::precision::{View, bf16_or_f32_view, f32_view, store};
 use crate::nn::{BatchNorm, BnStats, Conv, Mode, Precision};
 use crate::ops::{add, relu};
 use crate::tensor::{DType, Tensor};
@@ -23,18 +23,19 @@ fn keep_bn_relu(pool: &Pool, a: Tensor, p: Precision, recompute: bool) -> Result
     store(pool, a, p).map(Some)
 }
 
-/// The f32 BN+ReLU output a backward needs: the kept tensor, or
-/// `relu(bn(y))` recomputed with the forward's statistics.
+/// The BN+ReLU output a backward needs: the kept tensor (read in place
+/// when f32 or bf16), or `relu(bn(y))` recomputed in f32 with the
+/// forward's statistics.
 fn bn_relu_view<'a>(
     pool: &Pool,
     kept: &'a Option<Tensor>,
     bn: &BatchNorm,
     y: &Tensor,
     stats: &BnStats,
-) -> Result<F32View<'a>> {
+) -> Result<View<'a>> {
     match kept {
-        Some(a) => f32_view(pool, a),
-        None => Ok(F32View::Owned(bn.apply(
+        Some(a) => bf16_or_f32_view(pool, a),
+        None => Ok(View::Owned(bn.apply(
             pool,
             y,
             stats,
@@ -42,6 +43,16 @@ fn bn_relu_view<'a>(
             Tag::new(&bn.name, "a_recomputed"),
         )?)),
     }
+}
+
+/// The block input as its readers take it: `None` when the convolutions
+/// read `x` in place (f32, or bf16 with the native bf16 GEMM; the residual
+/// add reads either), else an f32 copy.
+fn block_input<'a>(pool: &Pool, x: &'a Tensor, conv: &Conv) -> Result<Option<View<'a>>> {
+    if conv.reads_in_place(x) {
+        return Ok(None);
+    }
+    f32_view(pool, x).map(Some)
 }
 
 /// The 1×1 conv + BN on the residual path of a shape-changing block.
@@ -79,7 +90,8 @@ impl Downsample {
         })
     }
 
-    /// `x` is the block input as f32; `sp` the precision to store in.
+    /// `x` is the block input (f32, or bf16 its convolution reads in
+    /// place); `sp` the precision to store in.
     fn forward(
         &mut self,
         pool: &Pool,
@@ -101,7 +113,7 @@ impl Downsample {
         x: &Tensor,
         dx: &mut Tensor,
     ) -> Result<()> {
-        let y = f32_view(pool, &s.y)?;
+        let y = bf16_or_f32_view(pool, &s.y)?;
         let d_y = self.bn.backward(pool, d_out, &y, &s.bn, None)?;
         drop(y);
         drop(s);
@@ -125,15 +137,18 @@ fn join_residual(
         Tag::new(name, "relu_mask"),
     )?;
     if pool.computes() {
-        relu::add_relu_forward(z.f32_mut(), residual.f32(), mask.bits_mut());
-        p.round(z.f32_mut());
+        let (z, mask, round) = (z.f32_mut(), mask.bits_mut(), p.chunk_round());
+        match residual.dtype() {
+            DType::BF16 => relu::add_relu_forward(z, residual.bf16(), mask, round),
+            _ => relu::add_relu_forward(z, residual.f32(), mask, round),
+        }
     }
     Ok(mask)
 }
 
-/// The end of a block's forward: the residual (the input `xv`, or its
-/// downsample) joins `z` with the final ReLU, the f32 view of the input is
-/// released, and the output is stored in the block's precision `p` (`sp`:
+/// The end of a block's forward: the residual (the input `x`, or its
+/// downsample) joins `z` with the final ReLU, the f32 copy of the input (if
+/// any) is released, and the output is stored in the block's precision `p` (`sp`:
 /// the precision of what the backward keeps). Returns (output, ReLU mask,
 /// what the downsample's backward needs).
 #[allow(clippy::too_many_arguments)]
@@ -142,22 +157,24 @@ fn finish_block(
     name: &Arc<str>,
     downsample: Option<&mut Downsample>,
     mut z: Tensor,
-    xv: F32View<'_>,
+    x: &Tensor,
+    x_copy: Option<View<'_>>,
     mode: Mode,
     sp: Precision,
     p: Precision,
 ) -> Result<(Tensor, Tensor, Option<DownsampleSaved>)> {
+    let xv = x_copy.as_deref().unwrap_or(x);
     let (mask, down) = match downsample {
         Some(ds) => {
-            let (identity, saved) = ds.forward(pool, &xv, mode, sp)?;
+            let (identity, saved) = ds.forward(pool, xv, mode, sp)?;
             (
                 join_residual(pool, name, &mut z, &identity, p)?,
                 Some(saved),
             )
         }
-        None => (join_residual(pool, name, &mut z, &xv, p)?, None),
+        None => (join_residual(pool, name, &mut z, xv, p)?, None),
     };
-    drop(xv);
+    drop(x_copy);
     Ok((store(pool, z, p)?, mask, down))
 }
 
@@ -173,11 +190,17 @@ fn join_residual_backward(
     p: Precision,
 ) -> Result<()> {
     match down {
-        Some((ds, saved)) => ds.backward(pool, saved, d_z, x, d_x)?,
-        None if pool.computes() => add::add_assign(d_x.f32_mut(), d_z.f32()),
+        Some((ds, saved)) => {
+            ds.backward(pool, saved, d_z, x, d_x)?;
+            // The downsample's dgrad left d_x rounded when it runs in `p`,
+            // and rounding again would change nothing.
+            if ds.conv.precision != p {
+                p.round_tensor(pool, d_x);
+            }
+        }
+        None if pool.computes() => add::add_assign(d_x.f32_mut(), d_z.f32(), p.chunk_round()),
         None => {}
     }
-    p.round_tensor(pool, d_x);
     Ok(())
 }
 
@@ -280,8 +303,10 @@ impl BasicBlock {
         let p = self.precision;
         // Eval keeps nothing past the block, so converting would be waste.
         let sp = if mode.saves() { p } else { Precision::F32 };
-        let xv = f32_view(pool, &x)?;
-        let y1 = self.conv1.forward(pool, &xv, "y")?;
+        let x_copy = block_input(pool, &x, &self.conv1)?;
+        let y1 = self
+            .conv1
+            .forward(pool, x_copy.as_deref().unwrap_or(&x), "y")?;
         let (a1, bn1) = self.bn1.forward(pool, &y1, true, mode, "a")?;
         let y1 = store(pool, y1, sp)?;
         let y2 = self.conv2.forward(pool, &a1, "y")?;
@@ -293,7 +318,8 @@ impl BasicBlock {
             &self.name,
             self.downsample.as_mut(),
             z,
-            xv,
+            &x,
+            x_copy,
             mode,
             sp,
             p,
@@ -321,11 +347,11 @@ impl BasicBlock {
             relu::relu_mask_backward_inplace(d_out.f32_mut(), s.mask.bits());
         }
         let d_z = d_out;
-        let y2 = f32_view(pool, &s.y2)?;
+        let y2 = bf16_or_f32_view(pool, &s.y2)?;
         let d_y2 = self.bn2.backward(pool, &d_z, &y2, &s.bn2, None)?;
         drop(y2);
         drop((s.y2, s.bn2));
-        let y1 = f32_view(pool, &s.y1)?;
+        let y1 = bf16_or_f32_view(pool, &s.y1)?;
         let a1 = bn_relu_view(pool, &s.a1, &self.bn1, &y1, &s.bn1)?;
         let mut d_a1 = Conv::zeros_like(pool, &a1, Tag::new(&self.name, "d_a1"))?;
         self.conv2.backward(pool, &d_y2, &a1, Some(&mut d_a1))?;
@@ -333,12 +359,13 @@ impl BasicBlock {
         let d_y1 = self.bn1.backward(pool, &d_a1, &y1, &s.bn1, Some(&a1))?;
         drop((d_a1, a1, y1));
         drop((s.a1, s.y1, s.bn1));
-        let x = f32_view(pool, &s.x)?;
-        let mut d_x = Conv::zeros_like(pool, &x, Tag::new(&self.name, "dx"))?;
-        self.conv1.backward(pool, &d_y1, &x, Some(&mut d_x))?;
+        let x_copy = block_input(pool, &s.x, &self.conv1)?;
+        let x = x_copy.as_deref().unwrap_or(&s.x);
+        let mut d_x = Conv::zeros_like(pool, x, Tag::new(&self.name, "dx"))?;
+        self.conv1.backward(pool, &d_y1, x, Some(&mut d_x))?;
         drop(d_y1);
         let down = self.downsample.as_mut().zip(s.down);
-        join_residual_backward(pool, down, &d_z, &x, &mut d_x, p)?;
+        join_residual_backward(pool, down, &d_z, x, &mut d_x, p)?;
         Ok(d_x)
     }
 
@@ -469,8 +496,10 @@ impl Bottleneck {
         // Eval keeps nothing past the block, so converting would be waste.
         let sp = if mode.saves() { p } else { Precision::F32 };
         let cheap = self.recompute_bn_relu;
-        let xv = f32_view(pool, &x)?;
-        let y1 = self.conv1.forward(pool, &xv, "y")?;
+        let x_copy = block_input(pool, &x, &self.conv1)?;
+        let y1 = self
+            .conv1
+            .forward(pool, x_copy.as_deref().unwrap_or(&x), "y")?;
         let (a1, bn1) = self.bn1.forward(pool, &y1, true, mode, "a")?;
         let y1 = store(pool, y1, sp)?;
         let y2 = self.conv2.forward(pool, &a1, "y")?;
@@ -486,7 +515,8 @@ impl Bottleneck {
             &self.name,
             self.downsample.as_mut(),
             z,
-            xv,
+            &x,
+            x_copy,
             mode,
             sp,
             p,
@@ -522,11 +552,11 @@ impl Bottleneck {
             relu::relu_mask_backward_inplace(d_out.f32_mut(), s.mask.bits());
         }
         let d_z = d_out;
-        let y3 = f32_view(pool, &s.y3)?;
+        let y3 = bf16_or_f32_view(pool, &s.y3)?;
         let d_y3 = self.bn3.backward(pool, &d_z, &y3, &s.bn3, None)?;
         drop(y3);
         drop((s.y3, s.bn3));
-        let y2 = f32_view(pool, &s.y2)?;
+        let y2 = bf16_or_f32_view(pool, &s.y2)?;
         let a2 = bn_relu_view(pool, &s.a2, &self.bn2, &y2, &s.bn2)?;
         let mut d_a2 = Conv::zeros_like(pool, &a2, Tag::new(&self.name, "d_a2"))?;
         self.conv3.backward(pool, &d_y3, &a2, Some(&mut d_a2))?;
@@ -534,7 +564,7 @@ impl Bottleneck {
         let d_y2 = self.bn2.backward(pool, &d_a2, &y2, &s.bn2, Some(&a2))?;
         drop((d_a2, a2, y2));
         drop((s.a2, s.y2, s.bn2));
-        let y1 = f32_view(pool, &s.y1)?;
+        let y1 = bf16_or_f32_view(pool, &s.y1)?;
         let a1 = bn_relu_view(pool, &s.a1, &self.bn1, &y1, &s.bn1)?;
         let mut d_a1 = Conv::zeros_like(pool, &a1, Tag::new(&self.name, "d_a1"))?;
         self.conv2.backward(pool, &d_y2, &a1, Some(&mut d_a1))?;
@@ -542,12 +572,13 @@ impl Bottleneck {
         let d_y1 = self.bn1.backward(pool, &d_a1, &y1, &s.bn1, Some(&a1))?;
         drop((d_a1, a1, y1));
         drop((s.a1, s.y1, s.bn1));
-        let x = f32_view(pool, &s.x)?;
-        let mut d_x = Conv::zeros_like(pool, &x, Tag::new(&self.name, "dx"))?;
-        self.conv1.backward(pool, &d_y1, &x, Some(&mut d_x))?;
+        let x_copy = block_input(pool, &s.x, &self.conv1)?;
+        let x = x_copy.as_deref().unwrap_or(&s.x);
+        let mut d_x = Conv::zeros_like(pool, x, Tag::new(&self.name, "dx"))?;
+        self.conv1.backward(pool, &d_y1, x, Some(&mut d_x))?;
         drop(d_y1);
         let down = self.downsample.as_mut().zip(s.down);
-        join_residual_backward(pool, down, &d_z, &x, &mut d_x, p)?;
+        join_residual_backward(pool, down, &d_z, x, &mut d_x, p)?;
         Ok(d_x)
     }
 

@@ -7,12 +7,12 @@ use rand::rngs::ChaCha8Rng;
 
 use crate::error::Result;
 use crate::memory::{Category, Pool, Tag};
-use crate::nn::precision::rounded_weight;
+use crate::nn::precision::{View, f32_view, rounded_weight};
 use crate::nn::{BnPolicy, Mode, Param, Precision, normal, uniform};
-use crate::ops::conv2d::ConvGeom;
-use crate::ops::{batchnorm as bn, conv2d, linear};
+use crate::ops::conv2d::{ConvGeom, ConvInput};
+use crate::ops::{ReadF32, RoundChunk, batchnorm as bn, conv2d, linear};
 use crate::profile::{Family, timed};
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 
 /// A convolution without bias. Weight layout (kh, kw, cin, cout).
 pub struct Conv {
@@ -68,11 +68,43 @@ impl Conv {
         }
     }
 
-    /// `x` is f32 (under mixed precision, already rounded to the low type).
+    /// Whether the kernels read `x` as it is stored: f32, or bf16 with the
+    /// native bf16 GEMM (rows of whole words: even `cin`).
+    pub fn reads_in_place(&self, x: &Tensor) -> bool {
+        match x.dtype() {
+            DType::F32 => true,
+            DType::BF16 => self.precision.gemm_math().native_bf16() && self.cin.is_multiple_of(2),
+            _ => false,
+        }
+    }
+
+    /// An f32 copy of `x` when the kernels cannot read it in place.
+    fn input_copy<'a>(&self, pool: &Pool, x: &'a Tensor) -> Result<Option<View<'a>>> {
+        if self.reads_in_place(x) {
+            return Ok(None);
+        }
+        f32_view(pool, x).map(Some)
+    }
+
+    /// The kernels' view of `x` (or of its copy).
+    fn input<'a>(x: &'a Tensor, copy: &'a Option<View<'_>>) -> ConvInput<'a> {
+        match copy {
+            Some(v) => ConvInput::F32(v.f32()),
+            None if x.dtype() == DType::F32 => ConvInput::F32(x.f32()),
+            // Heap blocks from the system allocator are 16-byte aligned on
+            // x86-64 (the only target with the native kernel), and `cin` is
+            // even, so the bf16 storage is whole aligned words.
+            None => ConvInput::Bf16Words(bytemuck::cast_slice(x.bf16())),
+        }
+    }
+
+    /// `x` is f32 or stored in bf16 (under mixed precision its values are
+    /// rounded to the low type either way).
     pub fn forward(&self, pool: &Pool, x: &Tensor, field: &'static str) -> Result<Tensor> {
         let (n, h, w, _) = x.shape().nhwc();
         let g = self.geom(n, h, w);
         g.validate()?;
+        let x_copy = self.input_copy(pool, x)?;
         let mut y = pool.empty_f32(
             &[n, g.oh(), g.ow(), self.cout],
             Category::Activations,
@@ -87,7 +119,7 @@ impl Conv {
         if pool.computes() {
             conv2d::conv2d_forward(
                 y.f32_mut(),
-                x.f32(),
+                Self::input(x, &x_copy),
                 w_low.as_ref().unwrap_or(&self.weight.value).f32(),
                 &g,
                 ws.f32_mut(),
@@ -112,6 +144,7 @@ impl Conv {
     ) -> Result<()> {
         let (n, h, w, _) = x.shape().nhwc();
         let g = self.geom(n, h, w);
+        let x_copy = self.input_copy(pool, x)?;
         let w_low = self.gemm_weight(pool)?;
         let mut ws = pool.empty_f32(
             &[g.backward_workspace_len()],
@@ -124,13 +157,14 @@ impl Conv {
                 dx.as_deref_mut().map(|t| t.f32_mut()),
                 self.weight.grad.f32_mut(),
                 dy.f32(),
-                x.f32(),
+                Self::input(x, &x_copy),
                 w_low.as_ref().unwrap_or(&self.weight.value).f32(),
                 &g,
                 ws.f32_mut(),
                 self.precision.gemm_math(),
             );
-            if let Some(dx) = dx {
+            // A bf16 convolution returns dx rounded already.
+            if let Some(dx) = dx.filter(|_| self.precision != Precision::BF16) {
                 self.precision.round(dx.f32_mut());
             }
         }
@@ -276,7 +310,8 @@ impl BatchNorm {
     /// Normalises `x` with given statistics (and ReLU when `relu`): the
     /// forward's second half, and what a backward runs again to recompute
     /// a BN+ReLU output instead of storing it (bit-identical to the
-    /// forward's, as the same kernel sees the same inputs).
+    /// forward's, as the same kernel sees the same values). `x` is f32 or
+    /// bf16, read in place.
     pub fn apply(
         &self,
         pool: &Pool,
@@ -287,24 +322,22 @@ impl BatchNorm {
     ) -> Result<Tensor> {
         let mut y = pool.empty_f32(x.dims(), Category::Activations, tag)?;
         if pool.computes() {
-            timed(Family::BatchNorm, 0, || {
-                bn::bn_forward(
-                    y.f32_mut(),
-                    x.f32(),
-                    stats.mean.f32(),
-                    stats.rstd.f32(),
-                    self.weight.value.f32(),
-                    self.bias.value.f32(),
-                    self.c,
-                    relu,
-                )
+            let (mean, rstd) = (stats.mean.f32(), stats.rstd.f32());
+            let (gamma, beta) = (self.weight.value.f32(), self.bias.value.f32());
+            let round = self.precision.chunk_round();
+            let y = y.f32_mut();
+            timed(Family::BatchNorm, 0, || match x.dtype() {
+                DType::BF16 => {
+                    bn::bn_forward(y, x.bf16(), mean, rstd, gamma, beta, self.c, relu, round)
+                }
+                _ => bn::bn_forward(y, x.f32(), mean, rstd, gamma, beta, self.c, relu, round),
             });
-            self.precision.round(y.f32_mut());
         }
         Ok(y)
     }
 
-    /// Returns dx; accumulates the affine gradients unless frozen.
+    /// Returns dx; accumulates the affine gradients unless frozen. `x` and
+    /// `relu_out` are f32 or bf16, read in place.
     pub fn backward(
         &mut self,
         pool: &Pool,
@@ -318,23 +351,65 @@ impl BatchNorm {
         if !pool.computes() {
             return Ok(dx);
         }
-        timed(Family::BatchNorm, 0, || {
-            bn::bn_backward(
-                dx.f32_mut(),
-                (!frozen).then(|| self.weight.grad.f32_mut()),
-                (!frozen).then(|| self.bias.grad.f32_mut()),
-                dy.f32(),
-                x.f32(),
-                stats.mean.f32(),
-                stats.rstd.f32(),
-                self.weight.value.f32(),
-                relu_out.map(|t| t.f32()),
-                self.c,
-                stats.from_batch,
-            )
+        let args = BnBackwardArgs {
+            dx: dx.f32_mut(),
+            dgamma: (!frozen).then(|| self.weight.grad.f32_mut()),
+            dbeta: (!frozen).then(|| self.bias.grad.f32_mut()),
+            dy: dy.f32(),
+            mean: stats.mean.f32(),
+            rstd: stats.rstd.f32(),
+            gamma: self.weight.value.f32(),
+            c: self.c,
+            batch_stats: stats.from_batch,
+            round: self.precision.chunk_round(),
+        };
+        timed(Family::BatchNorm, 0, || match x.dtype() {
+            DType::BF16 => args.run(x.bf16(), relu_out),
+            _ => args.run(x.f32(), relu_out),
         });
-        self.precision.round(dx.f32_mut());
         Ok(dx)
+    }
+}
+
+/// The arguments of one `bn_backward` besides the two that may be stored in
+/// bf16 (`x`, `relu_out`), whose element types `run` dispatches on.
+struct BnBackwardArgs<'a> {
+    dx: &'a mut [f32],
+    dgamma: Option<&'a mut [f32]>,
+    dbeta: Option<&'a mut [f32]>,
+    dy: &'a [f32],
+    mean: &'a [f32],
+    rstd: &'a [f32],
+    gamma: &'a [f32],
+    c: usize,
+    batch_stats: bool,
+    round: RoundChunk,
+}
+
+impl BnBackwardArgs<'_> {
+    fn run<X: ReadF32>(self, x: &[X], relu_out: Option<&Tensor>) {
+        match relu_out {
+            Some(o) if o.dtype() == DType::BF16 => self.run2(x, Some(o.bf16())),
+            Some(o) => self.run2(x, Some(o.f32())),
+            None => self.run2(x, None::<&[f32]>),
+        }
+    }
+
+    fn run2<X: ReadF32, O: ReadF32>(self, x: &[X], relu_out: Option<&[O]>) {
+        bn::bn_backward(
+            self.dx,
+            self.dgamma,
+            self.dbeta,
+            self.dy,
+            x,
+            self.mean,
+            self.rstd,
+            self.gamma,
+            relu_out,
+            self.c,
+            self.batch_stats,
+            self.round,
+        )
     }
 }
 

@@ -23,6 +23,7 @@ use rayon::prelude::*;
 use crate::device::cpu::{GemmMath, bf16_to_f32, f32_to_bf16, round_to_bf16};
 use crate::error::{Error, Result};
 use crate::memory::{Category, Pool, Tag};
+use crate::ops::RoundChunk;
 use crate::tensor::{DType, Tensor};
 
 /// Elements per rayon task in the conversions: big enough to amortise the
@@ -86,15 +87,19 @@ impl Precision {
     /// Rounds every value to the nearest value of this type (ties to even;
     /// f16 overflows to ±inf as a real f16 op would). No-op for fp32.
     pub fn round(self, v: &mut [f32]) {
+        if let Some(round) = self.chunk_round() {
+            v.par_chunks_mut(CHUNK).for_each(round);
+        }
+    }
+
+    /// [`Precision::round`] on one chunk, on the calling thread: what a
+    /// kernel applies to each chunk of its output as it finishes it
+    /// ([`RoundChunk`]). `None` for fp32.
+    pub fn chunk_round(self) -> RoundChunk {
         match self {
-            Precision::F32 => {}
-            Precision::BF16 => v.par_chunks_mut(CHUNK).for_each(round_to_bf16),
-            // The slice conversions use F16C when the CPU has it.
-            Precision::F16 => v.par_chunks_mut(CHUNK).for_each(|c| {
-                let mut tmp = vec![f16::ZERO; c.len()];
-                tmp.convert_from_f32_slice(c);
-                tmp.convert_to_f32_slice(c);
-            }),
+            Precision::F32 => None,
+            Precision::BF16 => Some(round_to_bf16),
+            Precision::F16 => Some(round_to_f16),
         }
     }
 
@@ -127,34 +132,44 @@ impl FromStr for Precision {
     }
 }
 
-/// An f32 view of an activation: the tensor itself when it is f32, else an
-/// f32 copy in the workspace that is freed when the view drops.
-pub enum F32View<'a> {
+/// An activation as a kernel reads it: the tensor itself, or a converted
+/// copy in the workspace that is freed when the view drops.
+pub enum View<'a> {
     Borrowed(&'a Tensor),
     Owned(Tensor),
 }
 
-impl Deref for F32View<'_> {
+impl Deref for View<'_> {
     type Target = Tensor;
     fn deref(&self) -> &Tensor {
         match self {
-            F32View::Borrowed(t) => t,
-            F32View::Owned(t) => t,
+            View::Borrowed(t) => t,
+            View::Owned(t) => t,
         }
     }
 }
 
 /// Reads `t` as f32 (exact: every stored value is representable).
-pub fn f32_view<'a>(pool: &Pool, t: &'a Tensor) -> Result<F32View<'a>> {
+pub fn f32_view<'a>(pool: &Pool, t: &'a Tensor) -> Result<View<'a>> {
     if t.dtype() == DType::F32 {
-        return Ok(F32View::Borrowed(t));
+        return Ok(View::Borrowed(t));
     }
     let (tag, _) = t.meta();
     let mut out = pool.empty_f32(t.dims(), Category::Workspace, tag)?;
     if pool.computes() {
         widen(out.f32_mut(), t);
     }
-    Ok(F32View::Owned(out))
+    Ok(View::Owned(out))
+}
+
+/// `t` as the kernels that read bf16 in place (batch norm, the residual
+/// add, the native-GEMM convolutions) take it: itself when it is f32 or
+/// bf16, else an exact f32 copy (f16).
+pub fn bf16_or_f32_view<'a>(pool: &Pool, t: &'a Tensor) -> Result<View<'a>> {
+    if t.dtype() == DType::BF16 {
+        return Ok(View::Borrowed(t));
+    }
+    f32_view(pool, t)
 }
 
 /// `t` as an owned f32 tensor in its own category: itself when it is f32,
@@ -211,6 +226,14 @@ pub fn rounded_weight(pool: &Pool, w: &Tensor, p: Precision, tag: Tag) -> Result
         p.round(out.f32_mut());
     }
     Ok(Some(out))
+}
+
+/// `v[i] = f32(f16(v[i]))`; the slice conversions use F16C when the CPU
+/// has it.
+fn round_to_f16(v: &mut [f32]) {
+    let mut tmp = vec![f16::ZERO; v.len()];
+    tmp.convert_from_f32_slice(v);
+    tmp.convert_to_f32_slice(v);
 }
 
 fn widen(dst: &mut [f32], src: &Tensor) {
@@ -288,7 +311,7 @@ mod tests {
         let t = store(&pool, t, Precision::F32).unwrap();
         let v = f32_view(&pool, &t).unwrap();
         assert_eq!(pool.live_bytes(), before, "no copies under fp32");
-        assert!(matches!(v, F32View::Borrowed(_)));
+        assert!(matches!(v, View::Borrowed(_)));
         assert_eq!("bf16".parse::<Precision>().unwrap(), Precision::BF16);
         assert!("int8".parse::<Precision>().is_err());
     }

@@ -8,7 +8,7 @@ use rand::rngs::ChaCha8Rng;
 
 use crate::error::{Error, Result};
 use crate::memory::{Category, Pool, Tag};
-use crate::nn::precision::{f32_view, store};
+use crate::nn::precision::{bf16_or_f32_view, f32_view, store};
 use crate::nn::{BatchNorm, BnStats, Conv, Mode, Precision};
 use crate::ops::maxpool::{self, PoolGeom};
 use crate::ops::relu;
@@ -208,7 +208,7 @@ impl Stem {
     /// The images need no gradient, so this returns nothing.
     pub fn backward(&mut self, pool: &Pool, saved: StemSaved, mut d_out: Tensor) -> Result<()> {
         let StemSaved { x, y, bn, tail } = saved;
-        let yv = f32_view(pool, &y)?;
+        let yv = bf16_or_f32_view(pool, &y)?;
         let d_y = match tail {
             StemTail::Mask { mask } => {
                 if pool.computes() {
@@ -222,7 +222,7 @@ impl Stem {
             StemTail::Pool { a } => {
                 let av = match &a {
                     Some(a) => f32_view(pool, a)?,
-                    None => crate::nn::precision::F32View::Owned(self.bn1.apply(
+                    None => crate::nn::precision::View::Owned(self.bn1.apply(
                         pool,
                         &yv,
                         &bn,

@@ -3,16 +3,21 @@
 
 use rayon::prelude::*;
 
+use crate::ops::RoundChunk;
+
 const CHUNK: usize = 1 << 14;
 
-/// acc += x.
-pub fn add_assign(acc: &mut [f32], x: &[f32]) {
+/// acc += x, then `round` per chunk.
+pub fn add_assign(acc: &mut [f32], x: &[f32], round: RoundChunk) {
     assert_eq!(acc.len(), x.len(), "add_assign: lengths");
     acc.par_chunks_mut(CHUNK)
         .zip(x.par_chunks(CHUNK))
         .for_each(|(a, x)| {
             for (a, &v) in a.iter_mut().zip(x) {
                 *a += v;
+            }
+            if let Some(round) = round {
+                round(a);
             }
         });
 }
@@ -33,7 +38,7 @@ mod tests {
         let a = rand_vec(&mut r, n);
         let b = rand_vec(&mut r, n);
         let mut acc = a.clone();
-        add_assign(&mut acc, &b);
+        add_assign(&mut acc, &b, None);
         assert_close("add", &acc, &add_ref(&to_f64(&a), &to_f64(&b)), 1e-7, 0.0);
         let dy = to_f64(&rand_vec(&mut r, 5));
         let (a5, b5) = (to_f64(&a[..5]), to_f64(&b[..5]));

@@ -9,7 +9,7 @@
 
 use rayon::prelude::*;
 
-use crate::ops::REDUCE_CHUNK_ROWS;
+use crate::ops::{REDUCE_CHUNK_ROWS, ReadF32, RoundChunk};
 
 /// Rows summed in f32 before being added to the f64 chunk totals: short
 /// enough that f32 rounding stays far below the tests' tolerances, long
@@ -114,67 +114,78 @@ pub fn bn_rstd(rstd: &mut [f32], var: &[f32], eps: f32) {
     }
 }
 
-/// y = gamma·(x - mean)·rstd + beta, then ReLU when `relu`.
-/// Works for every mode: pass batch or running statistics.
+/// y = gamma·(x - mean)·rstd + beta, then ReLU when `relu`, then `round`
+/// per chunk. Works for every mode: pass batch or running statistics. `x`
+/// is read as f32 (it may be a stored bf16 activation).
 #[allow(clippy::too_many_arguments)]
-pub fn bn_forward(
+pub fn bn_forward<X: ReadF32>(
     y: &mut [f32],
-    x: &[f32],
+    x: &[X],
     mean: &[f32],
     rstd: &[f32],
     gamma: &[f32],
     beta: &[f32],
     c: usize,
     relu: bool,
+    round: RoundChunk,
 ) {
     // Fold into one multiply-add per element.
     let scale: Vec<f32> = gamma.iter().zip(rstd).map(|(g, r)| g * r).collect();
     let shift: Vec<f32> = (0..c).map(|ch| beta[ch] - mean[ch] * scale[ch]).collect();
     // The branch on `relu` sits outside the element loop so each loop is a
     // plain vectorised multiply-add (and max).
-    let rows_of = |yc: &mut [f32], xc: &[f32]| {
+    let rows_of = |yc: &mut [f32], xc: &[X]| {
         for (yr, xr) in yc.chunks_exact_mut(c).zip(xc.chunks_exact(c)) {
             let lanes = yr.iter_mut().zip(xr).zip(scale.iter().zip(&shift));
             if relu {
                 for ((o, &v), (&a, &b)) in lanes {
-                    *o = (v * a + b).max(0.0);
+                    *o = (v.f32() * a + b).max(0.0);
                 }
             } else {
                 for ((o, &v), (&a, &b)) in lanes {
-                    *o = v * a + b;
+                    *o = v.f32() * a + b;
                 }
             }
         }
     };
     y.par_chunks_mut(REDUCE_CHUNK_ROWS * c)
         .zip(x.par_chunks(REDUCE_CHUNK_ROWS * c))
-        .for_each(|(yc, xc)| rows_of(yc, xc));
+        .for_each(|(yc, xc)| {
+            rows_of(yc, xc);
+            if let Some(round) = round {
+                round(yc);
+            }
+        });
 }
 
-/// Gradients of [`bn_forward`]. `dx` is overwritten; `dgamma`, `dbeta`
-/// accumulate when given (frozen BN passes `None`).
+/// Gradients of [`bn_forward`]. `dx` is overwritten (and finished with
+/// `round` per chunk); `dgamma`, `dbeta` accumulate when given (frozen BN
+/// passes `None`).
 ///
 /// * `batch_stats`: the statistics came from this batch (training), so the
 ///   gradient flows through the mean and variance too; otherwise they are
 ///   constants (eval, frozen).
 /// * `relu_out`: the fused ReLU's output; the upstream gradient passes
 ///   where it is > 0.
+/// * `x` and `relu_out` are read as f32 (they may be stored bf16
+///   activations).
 ///
 /// Two passes over the data: one for the per-channel sums Σg and Σg·x̂,
 /// one writing dx as a single multiply-add chain per element.
 #[allow(clippy::too_many_arguments)]
-pub fn bn_backward(
+pub fn bn_backward<X: ReadF32, O: ReadF32>(
     dx: &mut [f32],
     dgamma: Option<&mut [f32]>,
     dbeta: Option<&mut [f32]>,
     dy: &[f32],
-    x: &[f32],
+    x: &[X],
     mean: &[f32],
     rstd: &[f32],
     gamma: &[f32],
-    relu_out: Option<&[f32]>,
+    relu_out: Option<&[O]>,
     c: usize,
     batch_stats: bool,
+    round: RoundChunk,
 ) {
     let rows = x.len() / c;
     // g = dy where the fused ReLU passed (its output > 0), else 0. The
@@ -192,15 +203,15 @@ pub fn bn_backward(
         match relu_out {
             Some(o) => {
                 for ((((a, b), (&d, &xv)), &m), &ov) in lanes.zip(&o[range]) {
-                    let gv = gate(d, ov);
+                    let gv = gate(d, ov.f32());
                     *a += gv;
-                    *b += gv * (xv - m);
+                    *b += gv * (xv.f32() - m);
                 }
             }
             None => {
                 for (((a, b), (&d, &xv)), &m) in lanes {
                     *a += d;
-                    *b += d * (xv - m);
+                    *b += d * (xv.f32() - m);
                 }
             }
         }
@@ -248,15 +259,18 @@ pub fn bn_backward(
                     Some(o) => {
                         for (((out, (&d, &xv)), ((&s, &k), (&b, &m))), &ov) in lanes.zip(&o[range])
                         {
-                            *out = s * gate(d, ov) + k * (xv - m) + b;
+                            *out = s * gate(d, ov.f32()) + k * (xv.f32() - m) + b;
                         }
                     }
                     None => {
                         for ((out, (&d, &xv)), ((&s, &k), (&b, &m))) in lanes {
-                            *out = s * d + k * (xv - m) + b;
+                            *out = s * d + k * (xv.f32() - m) + b;
                         }
                     }
                 }
+            }
+            if let Some(round) = round {
+                round(dxc);
             }
         });
 }
@@ -371,7 +385,7 @@ mod tests {
             bn_rstd(&mut rstd, &var, 1e-5);
             for relu in [false, true] {
                 let mut y = vec![0.0; rows * c];
-                bn_forward(&mut y, &x, &mean, &rstd, &gamma, &beta, c, relu);
+                bn_forward(&mut y, &x, &mean, &rstd, &gamma, &beta, c, relu, None);
                 let y_ref = bn_forward_ref(
                     &to_f64(&x),
                     &to_f64(&gamma),
@@ -397,6 +411,7 @@ mod tests {
                     relu_out,
                     c,
                     true,
+                    None,
                 );
                 // Reference: the mask applied to dy, then plain BN backward.
                 let dy_masked: Vec<f64> = dy
@@ -415,6 +430,67 @@ mod tests {
     }
 
     #[test]
+    fn bf16_inputs_read_as_their_f32_copies() {
+        let mut r = rng(12);
+        let (rows, c) = (700, 5);
+        let to_bf16 = |v: &[f32]| {
+            v.iter()
+                .map(|&x| half::bf16::from_f32(x))
+                .collect::<Vec<_>>()
+        };
+        let widen = |v: &[half::bf16]| v.iter().map(|x| x.to_f32()).collect::<Vec<_>>();
+        let x16 = to_bf16(&shifted(&mut r, rows * c, 2.0, 0.7));
+        let x = widen(&x16);
+        let gamma = shifted(&mut r, c, 0.5, 1.0);
+        let beta = rand_vec(&mut r, c);
+        let dy = rand_vec(&mut r, rows * c);
+        let (mut mean, mut var, mut rstd) = (vec![0.0; c], vec![0.0; c], vec![0.0; c]);
+        bn_batch_stats(&mut mean, &mut var, &x, c);
+        bn_rstd(&mut rstd, &var, 1e-5);
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        let round = Some(crate::device::cpu::round_to_bf16 as fn(&mut [f32]));
+        let (mut y, mut y16) = (vec![0.0; rows * c], vec![0.0; rows * c]);
+        bn_forward(&mut y, &x, &mean, &rstd, &gamma, &beta, c, true, round);
+        bn_forward(&mut y16, &x16, &mean, &rstd, &gamma, &beta, c, true, round);
+        assert_eq!(bits(&y16), bits(&y), "forward");
+        let o16 = to_bf16(&y);
+        let (mut dx, mut dg, mut db) = (vec![0.0; rows * c], vec![0.5; c], vec![0.5; c]);
+        let (dyr, yr) = (&dy[..], &y[..]);
+        bn_backward(
+            &mut dx,
+            Some(&mut dg),
+            Some(&mut db),
+            dyr,
+            &x,
+            &mean,
+            &rstd,
+            &gamma,
+            Some(yr),
+            c,
+            true,
+            round,
+        );
+        let want = [bits(&dx), bits(&dg), bits(&db)];
+        let (mut dx, mut dg, mut db) = (vec![0.0; rows * c], vec![0.5; c], vec![0.5; c]);
+        bn_backward(
+            &mut dx,
+            Some(&mut dg),
+            Some(&mut db),
+            dyr,
+            &x16,
+            &mean,
+            &rstd,
+            &gamma,
+            Some(&o16[..]),
+            c,
+            true,
+            round,
+        );
+        let got = [bits(&dx), bits(&dg), bits(&db)];
+        assert_eq!(got, want, "backward");
+    }
+
+    #[test]
     fn eval_mode_uses_given_statistics() {
         let mut r = rng(11);
         let (rows, c) = (30, 3);
@@ -427,7 +503,7 @@ mod tests {
         let mut rstd = vec![0.0; c];
         bn_rstd(&mut rstd, &rv, 1e-5);
         let mut y = vec![0.0; rows * c];
-        bn_forward(&mut y, &x, &rm, &rstd, &gamma, &beta, c, false);
+        bn_forward(&mut y, &x, &rm, &rstd, &gamma, &beta, c, false, None);
         let (rm64, rv64) = (to_f64(&rm), to_f64(&rv));
         let y_ref = bn_forward_ref(
             &to_f64(&x),
@@ -442,7 +518,18 @@ mod tests {
         // Constant statistics: dx = dy·gamma·rstd; check against FD of the reference.
         let mut dx = vec![0.0; rows * c];
         bn_backward(
-            &mut dx, None, None, &dy, &x, &rm, &rstd, &gamma, None, c, false,
+            &mut dx,
+            None,
+            None,
+            &dy,
+            &x,
+            &rm,
+            &rstd,
+            &gamma,
+            None::<&[f32]>,
+            c,
+            false,
+            None,
         );
         let fd = finite_diff(&to_f64(&x), 1e-6, |xp| {
             dot(

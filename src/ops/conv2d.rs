@@ -10,8 +10,8 @@
 use rayon::prelude::*;
 
 use crate::device::cpu::{
-    Accumulate, GemmMath, Lhs, MatRef, f32_to_bf16, gemm, gemm_bf16_lhs, gemm_bf16_rounded,
-    round_to_bf16,
+    Accumulate, GemmMath, Lhs, MatRef, Rhs, f32_to_bf16, gemm, gemm_bf16_lhs, gemm_bf16_rounded,
+    pack_rhs, round_to_bf16,
 };
 use crate::error::{Error, Result};
 use crate::profile::{Family, timed};
@@ -23,6 +23,34 @@ const TILE_FLOATS: usize = 1 << 20;
 /// Rows from which a pointwise weight gradient is split in two (see
 /// [`ConvGeom::splits_wgrad`]).
 const WGRAD_SPLIT_MIN_ROWS: usize = 4096;
+
+/// A convolution's input activation (n, h, w, cin).
+#[derive(Clone, Copy)]
+pub enum ConvInput<'a> {
+    F32(&'a [f32]),
+    /// bf16 values, two channels per word (lower channel in the low half;
+    /// `cin` even): the bf16 mode's stored activations, which the native
+    /// bf16 GEMM and the bf16 im2col read in place instead of through an
+    /// f32 copy. Only with the native bf16 GEMM.
+    Bf16Words(&'a [u32]),
+}
+
+impl ConvInput<'_> {
+    fn len(&self) -> usize {
+        match self {
+            ConvInput::F32(x) => x.len(),
+            ConvInput::Bf16Words(w) => 2 * w.len(),
+        }
+    }
+
+    /// The bf16 words of rows `r0..r0+rows` of `cin` values each.
+    fn bf16_rows(&self, g: &ConvGeom, r0: usize, rows: usize) -> Option<&[u32]> {
+        match self {
+            ConvInput::F32(_) => None,
+            ConvInput::Bf16Words(w) => Some(&w[r0 * g.cin / 2..(r0 + rows) * g.cin / 2]),
+        }
+    }
+}
 
 /// Everything that determines a convolution's shapes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -189,10 +217,18 @@ fn im2col_tile(col: &mut [f32], x: &[f32], g: &ConvGeom, row0: usize, rows: usiz
 
 /// [`im2col_tile`] straight into bf16 for the native bf16 GEMM: each patch
 /// row becomes ⌈K/2⌉ words of k-pairs (an odd tail zero), so the GEMM reads
-/// the patches in place instead of packing an f32 copy.
-fn im2col_tile_bf16(col: &mut [u32], x: &[f32], g: &ConvGeom, row0: usize, rows: usize) {
+/// the patches in place instead of packing an f32 copy. Each kernel row's
+/// contiguous input run is converted (or, from a bf16 input, copied: its
+/// values are bf16 already) as one slice, so the vector converter sees
+/// whole blocks even for the stem's 3 channels.
+fn im2col_tile_bf16(col: &mut [u32], x: ConvInput<'_>, g: &ConvGeom, row0: usize, rows: usize) {
     let (k, line) = (g.k(), g.kw * g.cin);
     let k2 = k.div_ceil(2);
+    let (x, x_bf16): (&[f32], &[u16]) = match x {
+        ConvInput::F32(x) => (x, &[]),
+        ConvInput::Bf16Words(w) => (&[], bytemuck::cast_slice(w)),
+    };
+    let bf16_in = x.is_empty();
     col[..rows * k2]
         .par_chunks_mut(k2)
         .enumerate()
@@ -210,7 +246,11 @@ fn im2col_tile_bf16(col: &mut [u32], x: &[f32], g: &ConvGeom, row0: usize, rows:
                     continue;
                 };
                 dst[..lo].fill(0);
-                f32_to_bf16(&mut dst[lo..hi], &x[src..src + hi - lo]);
+                if bf16_in {
+                    dst[lo..hi].copy_from_slice(&x_bf16[src..src + hi - lo]);
+                } else {
+                    f32_to_bf16(&mut dst[lo..hi], &x[src..src + hi - lo]);
+                }
                 dst[hi..].fill(0);
             }
         });
@@ -272,6 +312,18 @@ fn col2im_tile(dx: &mut [f32], dcol: &[f32], g: &ConvGeom, row0: usize, rows: us
         });
 }
 
+/// A bf16 input needs the native bf16 GEMM (the f32 GEMM reads f32) and an
+/// even `cin` (rows of whole words); callers choose the input form, so
+/// this is an engine bug, never user input.
+fn check_bf16_input(g: &ConvGeom, x: ConvInput<'_>, math: GemmMath) {
+    if let ConvInput::Bf16Words(_) = x {
+        assert!(
+            math.native_bf16() && g.cin.is_multiple_of(2),
+            "conv2d: bf16 input needs the native bf16 GEMM and an even cin ({g:?})"
+        );
+    }
+}
+
 fn check_lens(g: &ConvGeom, y: usize, x: usize, w: usize) {
     assert_eq!(y, g.output_len(), "conv2d: output length for {g:?}");
     assert_eq!(x, g.input_len(), "conv2d: input length for {g:?}");
@@ -285,7 +337,7 @@ fn check_lens(g: &ConvGeom, y: usize, x: usize, w: usize) {
 /// convolution's output is.
 pub fn conv2d_forward(
     y: &mut [f32],
-    x: &[f32],
+    x: ConvInput<'_>,
     w: &[f32],
     g: &ConvGeom,
     ws: &mut [f32],
@@ -298,38 +350,60 @@ pub fn conv2d_forward(
 
 fn conv2d_forward_untimed(
     y: &mut [f32],
-    x: &[f32],
+    x: ConvInput<'_>,
     w: &[f32],
     g: &ConvGeom,
     ws: &mut [f32],
     math: GemmMath,
 ) {
     check_lens(g, y.len(), x.len(), w.len());
+    check_bf16_input(g, x, math);
     let wm = MatRef::row_major(w, g.k(), g.cout);
     if g.is_pointwise() {
-        let xm = MatRef::row_major(x, g.rows(), g.cin);
-        match math {
-            GemmMath::Bf16 => gemm_bf16_rounded(y, xm, wm, Accumulate::No),
-            GemmMath::F32 => gemm(y, xm, wm, Accumulate::No, math),
+        let rows = g.rows();
+        match (x, math) {
+            (ConvInput::Bf16Words(words), _) => {
+                let a = Lhs::Bf16Rows {
+                    words,
+                    rows,
+                    k: g.cin,
+                };
+                gemm_bf16_lhs(y, a, Rhs::F32(wm), Accumulate::No, true)
+            }
+            (ConvInput::F32(x), GemmMath::Bf16) => {
+                gemm_bf16_rounded(y, MatRef::row_major(x, rows, g.cin), wm, Accumulate::No)
+            }
+            (ConvInput::F32(x), GemmMath::F32) => gemm(
+                y,
+                MatRef::row_major(x, rows, g.cin),
+                wm,
+                Accumulate::No,
+                math,
+            ),
         }
         return;
     }
     let (k, tile) = (g.k(), g.tile_rows());
     assert!(ws.len() >= tile * k, "conv2d_forward: workspace too small");
     // The native bf16 GEMM takes the patches as bf16 rows: half the bytes
-    // written, and no second pass to pack them.
+    // written, and no second pass to pack them; the weight is packed once
+    // for all tiles.
     let native_bf16 = math.native_bf16();
+    let w_packed = native_bf16.then(|| pack_rhs(wm));
     for row0 in (0..g.rows()).step_by(tile) {
         let rows = tile.min(g.rows() - row0);
         let y_tile = &mut y[row0 * g.cout..(row0 + rows) * g.cout];
-        if native_bf16 {
+        if let Some(w_packed) = &w_packed {
             let words: &mut [u32] = bytemuck::cast_slice_mut(&mut ws[..]);
             im2col_tile_bf16(words, x, g, row0, rows);
             let words = &words[..rows * k.div_ceil(2)];
             let a = Lhs::Bf16Rows { words, rows, k };
-            gemm_bf16_lhs(y_tile, a, wm, Accumulate::No, true);
+            gemm_bf16_lhs(y_tile, a, Rhs::Packed(w_packed), Accumulate::No, true);
             continue;
         }
+        let ConvInput::F32(x) = x else {
+            unreachable!("checked: bf16 input only with the native GEMM")
+        };
         im2col_tile(ws, x, g, row0, rows);
         let col = MatRef::row_major(&ws[..rows * k], rows, k);
         gemm(y_tile, col, wm, Accumulate::No, math);
@@ -344,19 +418,21 @@ fn conv2d_forward_untimed(
 /// `ws` holds at least `g.backward_workspace_len()` floats.
 ///
 /// `math` is the GEMM arithmetic of both gradients (bf16 needs
-/// bf16-representable `dy`, `x` and `w`).
+/// bf16-representable `dy`, `x` and `w`, and returns `dx` rounded to bf16,
+/// its previous contents included, as a bf16 input gradient is).
 #[allow(clippy::too_many_arguments)]
 pub fn conv2d_backward(
     dx: Option<&mut [f32]>,
     dw: &mut [f32],
     dy: &[f32],
-    x: &[f32],
+    x: ConvInput<'_>,
     w: &[f32],
     g: &ConvGeom,
     ws: &mut [f32],
     math: GemmMath,
 ) {
     check_lens(g, dy.len(), x.len(), w.len());
+    check_bf16_input(g, x, math);
     assert_eq!(dw.len(), w.len(), "conv2d_backward: dw length");
     let (k, cout) = (g.k(), g.cout);
     let w_t = MatRef::row_major(w, k, cout).t();
@@ -364,41 +440,46 @@ pub fn conv2d_backward(
         let rows = g.rows();
         let dym = MatRef::row_major(dy, rows, cout);
         let flops = 2 * g.macs() as u64;
+        // dw [+]= x[r0..r0+n]ᵀ · dy[r0..r0+n]: a bf16 input is the
+        // transpose of its rows, read in place by the GEMM's packing.
+        let wgrad = |dw: &mut [f32], r0: usize, n: usize, acc: Accumulate| {
+            let b = MatRef::row_major(&dy[r0 * cout..(r0 + n) * cout], n, cout);
+            match (x.bf16_rows(g, r0, n), x) {
+                (Some(words), _) => {
+                    let a = Lhs::Bf16RowsTransposed {
+                        words,
+                        m: g.cin,
+                        k: n,
+                    };
+                    gemm_bf16_lhs(dw, a, Rhs::F32(b), acc, false)
+                }
+                (None, ConvInput::F32(x)) => {
+                    let a = MatRef::row_major(&x[r0 * g.cin..(r0 + n) * g.cin], n, g.cin).t();
+                    gemm(dw, a, b, acc, math)
+                }
+                (None, ConvInput::Bf16Words(_)) => unreachable!("bf16_rows is Some"),
+            }
+        };
         timed(Family::ConvWgrad, flops, || {
             if g.splits_wgrad() {
                 let half = rows / 2;
-                let (x0, x1) = x.split_at(half * g.cin);
-                let (dy0, dy1) = dy.split_at(half * cout);
                 let part = &mut ws[..dw.len()];
                 rayon::join(
-                    || {
-                        let a = MatRef::row_major(x0, half, g.cin).t();
-                        gemm(
-                            dw,
-                            a,
-                            MatRef::row_major(dy0, half, cout),
-                            Accumulate::Yes,
-                            math,
-                        )
-                    },
-                    || {
-                        let a = MatRef::row_major(x1, rows - half, g.cin).t();
-                        let b = MatRef::row_major(dy1, rows - half, cout);
-                        gemm(part, a, b, Accumulate::No, math)
-                    },
+                    || wgrad(dw, 0, half, Accumulate::Yes),
+                    || wgrad(part, half, rows - half, Accumulate::No),
                 );
                 for (d, p) in dw.iter_mut().zip(part.iter()) {
                     *d += p;
                 }
             } else {
-                let a = MatRef::row_major(x, rows, g.cin).t();
-                gemm(dw, a, dym, Accumulate::Yes, math)
+                wgrad(dw, 0, rows, Accumulate::Yes)
             }
         });
         if let Some(dx) = dx {
             assert_eq!(dx.len(), x.len(), "conv2d_backward: dx length");
-            timed(Family::ConvDgrad, flops, || {
-                gemm(dx, dym, w_t, Accumulate::Yes, math)
+            timed(Family::ConvDgrad, flops, || match math {
+                GemmMath::Bf16 => gemm_bf16_rounded(dx, dym, w_t, Accumulate::Yes),
+                GemmMath::F32 => gemm(dx, dym, w_t, Accumulate::Yes, math),
             });
         }
         return;
@@ -410,6 +491,9 @@ pub fn conv2d_backward(
     );
     let (col, dcol) = ws.split_at_mut(tile * k);
     let mut dx = dx;
+    // The weight is the right operand of every tile's input gradient: pack
+    // it once.
+    let w_t_packed = (dx.is_some() && math.native_bf16()).then(|| pack_rhs(w_t));
     for row0 in (0..g.rows()).step_by(tile) {
         let rows = tile.min(g.rows() - row0);
         let dy_tile = MatRef::row_major(&dy[row0 * cout..(row0 + rows) * cout], rows, cout);
@@ -425,19 +509,36 @@ pub fn conv2d_backward(
                     m: k,
                     k: rows,
                 };
-                gemm_bf16_lhs(dw, a, dy_tile, Accumulate::Yes, false);
+                gemm_bf16_lhs(dw, a, Rhs::F32(dy_tile), Accumulate::Yes, false);
                 return;
             }
+            let ConvInput::F32(x) = x else {
+                unreachable!("checked: bf16 input only with the native GEMM")
+            };
             im2col_tile(col, x, g, row0, rows);
             let col_t = MatRef::row_major(&col[..rows * k], rows, k).t();
             gemm(dw, col_t, dy_tile, Accumulate::Yes, math);
         });
         if let Some(dx) = dx.as_deref_mut() {
             timed(Family::ConvDgrad, flops, || {
-                gemm(&mut dcol[..rows * k], dy_tile, w_t, Accumulate::No, math);
+                let dcol = &mut dcol[..rows * k];
+                match &w_t_packed {
+                    Some(p) => gemm_bf16_lhs(
+                        dcol,
+                        Lhs::F32(dy_tile),
+                        Rhs::Packed(p),
+                        Accumulate::No,
+                        false,
+                    ),
+                    None => gemm(dcol, dy_tile, w_t, Accumulate::No, math),
+                }
                 col2im_tile(dx, dcol, g, row0, rows);
             });
         }
+    }
+    // Tiles overlap in dx, so it is rounded once all of them are in.
+    if let Some(dx) = dx.filter(|_| math == GemmMath::Bf16) {
+        dx.par_chunks_mut(1 << 14).for_each(round_to_bf16);
     }
 }
 
@@ -679,8 +780,8 @@ mod tests {
         let ws_len = g.backward_workspace_len().max(g.forward_workspace_len());
         let mut ws = vec![ws_fill; ws_len];
         let mut y = vec![0.0; g.output_len()];
-        conv2d_forward(&mut y, x, w, g, &mut ws, math);
-        conv2d_backward(Some(dx), dw, dy, x, w, g, &mut ws, math);
+        conv2d_forward(&mut y, ConvInput::F32(x), w, g, &mut ws, math);
+        conv2d_backward(Some(dx), dw, dy, ConvInput::F32(x), w, g, &mut ws, math);
         y
     }
 
@@ -805,8 +906,107 @@ mod tests {
             assert_close(&format!("bf16 y {g:?}"), &y, &y_ref, 1e-4, 2f64.powi(-8));
             let (dx_ref, dw_ref) =
                 conv2d_backward_ref(&to_f64(&dy), &to_f64(&x), &to_f64(&w_rounded), &g);
-            assert_close(&format!("bf16 dx {g:?}"), &dx, &dx_ref, 1e-4, 1e-5);
+            assert_eq!(round(dx.clone()), dx, "bf16 dx is not rounded");
+            assert_close(&format!("bf16 dx {g:?}"), &dx, &dx_ref, 1e-4, 2f64.powi(-8));
             assert_close(&format!("bf16 dw {g:?}"), &dw, &dw_ref, 1e-3, 1e-5);
+        }
+    }
+
+    #[test]
+    fn bf16_patches_are_the_rounded_f32_patches() {
+        // Both im2col paths (direct for cin % 16 == 0, gathered otherwise),
+        // odd and even K, padding and stride.
+        for (cin, kk, stride, pad) in [(3, 7, 2, 3), (5, 3, 1, 1), (16, 3, 2, 1), (32, 1, 2, 0)] {
+            let g = ConvGeom {
+                n: 2,
+                h: 9,
+                w: 7,
+                cin,
+                cout: 4,
+                kh: kk,
+                kw: kk,
+                stride,
+                pad,
+            };
+            let mut r = rng(6);
+            let x = rand_vec(&mut r, g.input_len());
+            let (k, rows) = (g.k(), g.rows());
+            let mut col = vec![f32::NAN; rows * k];
+            im2col_tile(&mut col, &x, &g, 0, rows);
+            let k2 = k.div_ceil(2);
+            let mut want = vec![0u16; rows * 2 * k2];
+            for (w, c) in want.chunks_exact_mut(2 * k2).zip(col.chunks_exact(k)) {
+                f32_to_bf16(&mut w[..k], c);
+            }
+            // Two tiles, the second starting mid-image.
+            let mut words = vec![u32::MAX; rows * k2];
+            let split = rows / 2 + 1;
+            let xf = ConvInput::F32(&x);
+            im2col_tile_bf16(&mut words, xf, &g, 0, split);
+            im2col_tile_bf16(&mut words[split * k2..], xf, &g, split, rows - split);
+            let got: &[u16] = bytemuck::cast_slice(&words);
+            assert_eq!(got, &want[..], "{g:?}");
+        }
+    }
+
+    #[test]
+    fn bf16_input_gives_the_bits_of_its_f32_copy() {
+        if !GemmMath::Bf16.native_bf16() {
+            eprintln!("skipped: this CPU has no AVX512-BF16");
+            return;
+        }
+        // Pointwise (plain, and with the weight gradient split: 2*48*49 rows),
+        // strided 1x1, padded 3x3; even cin, ragged against the GEMM tiles.
+        let cases = [
+            (2, 6, 5, 8, 6, 1, 1, 0),
+            (2, 48, 49, 8, 5, 1, 1, 0),
+            (3, 9, 7, 6, 10, 1, 2, 0),
+            (2, 9, 8, 18, 7, 3, 2, 1),
+        ];
+        for (n, h, w, cin, cout, kk, stride, pad) in cases {
+            let g = ConvGeom {
+                n,
+                h,
+                w,
+                cin,
+                cout,
+                kh: kk,
+                kw: kk,
+                stride,
+                pad,
+            };
+            let mut r = rng(7);
+            let mut x = rand_vec(&mut r, g.input_len());
+            round_to_bf16(&mut x);
+            let wt = rand_vec(&mut r, g.weight_len());
+            let mut dy = rand_vec(&mut r, g.output_len());
+            round_to_bf16(&mut dy);
+            let mut halves = vec![0u16; x.len()];
+            f32_to_bf16(&mut halves, &x);
+            let words: Vec<u32> = bytemuck::cast_slice(&halves).to_vec();
+            let run = |input: ConvInput<'_>| {
+                let ws_len = g.backward_workspace_len().max(g.forward_workspace_len());
+                let mut ws = vec![f32::NAN; ws_len];
+                let mut y = vec![0.0; g.output_len()];
+                conv2d_forward(&mut y, input, &wt, &g, &mut ws, GemmMath::Bf16);
+                let (mut dx, mut dw) = (vec![0.25; x.len()], vec![0.5; wt.len()]);
+                conv2d_backward(
+                    Some(&mut dx),
+                    &mut dw,
+                    &dy,
+                    input,
+                    &wt,
+                    &g,
+                    &mut ws,
+                    GemmMath::Bf16,
+                );
+                [y, dx, dw].map(|v| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>())
+            };
+            let want = run(ConvInput::F32(&x));
+            let got = run(ConvInput::Bf16Words(&words));
+            for (name, (a, b)) in ["y", "dx", "dw"].iter().zip(got.iter().zip(&want)) {
+                assert_eq!(a, b, "{name} {g:?}");
+            }
         }
     }
 
@@ -837,7 +1037,7 @@ mod tests {
             Some(&mut dx),
             &mut dw,
             &dy,
-            &x,
+            ConvInput::F32(&x),
             &w,
             &g,
             &mut ws,

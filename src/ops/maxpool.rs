@@ -80,29 +80,42 @@ pub fn maxpool_forward(y: &mut [f32], x: &[f32], g: &PoolGeom) {
 }
 
 /// dx = scatter of dy to the first maximum of each window (overwrites dx).
+///
+/// The window is scanned in row-major order as in the forward, with the
+/// running maximum and its position kept per channel in arrays, so the
+/// scan runs along the contiguous channels (it vectorises); each gradient
+/// is then added at its argmax, in output order.
 pub fn maxpool_backward(dx: &mut [f32], dy: &[f32], x: &[f32], g: &PoolGeom) {
     let (oh, ow, c) = (g.oh(), g.ow(), g.c);
     dx.par_chunks_mut(g.h * g.w * c)
         .zip(x.par_chunks(g.h * g.w * c).zip(dy.par_chunks(oh * ow * c)))
         .for_each(|(dx, (x, dy))| {
             dx.fill(0.0);
+            let mut best = vec![f32::NEG_INFINITY; c];
+            // Input pixel (iy·w + ix) of each channel's maximum so far;
+            // NONE until the first element of the window.
+            const NONE: u32 = u32::MAX;
+            let mut arg = vec![NONE; c];
             for oy in 0..oh {
                 for ox in 0..ow {
                     let (rows, cols) = g.window(oy, ox);
-                    for ch in 0..c {
-                        let mut best = f32::NEG_INFINITY;
-                        let mut arg = None;
-                        for iy in rows.clone() {
-                            for ix in cols.clone() {
-                                let i = (iy * g.w + ix) * c + ch;
-                                if x[i] > best || x[i].is_nan() || arg.is_none() {
-                                    best = x[i];
-                                    arg = Some(i);
-                                }
+                    best.fill(f32::NEG_INFINITY);
+                    arg.fill(NONE);
+                    for iy in rows {
+                        for ix in cols.clone() {
+                            let pix = (iy * g.w + ix) as u32;
+                            let inp = &x[pix as usize * c..][..c];
+                            for ((b, a), &v) in best.iter_mut().zip(arg.iter_mut()).zip(inp) {
+                                let take = v > *b || v.is_nan() || *a == NONE;
+                                *b = if take { v } else { *b };
+                                *a = if take { pix } else { *a };
                             }
                         }
-                        if let Some(i) = arg {
-                            dx[i] += dy[(oy * ow + ox) * c + ch];
+                    }
+                    let d = &dy[(oy * ow + ox) * c..][..c];
+                    for (ch, (&a, &v)) in arg.iter().zip(d).enumerate() {
+                        if a != NONE {
+                            dx[a as usize * c + ch] += v;
                         }
                     }
                 }
@@ -180,6 +193,16 @@ mod tests {
                 k: 2,
                 stride: 2,
                 pad: 0,
+            },
+            // More channels than one vector, with a ragged tail.
+            PoolGeom {
+                n: 2,
+                h: 7,
+                w: 6,
+                c: 37,
+                k: 3,
+                stride: 2,
+                pad: 1,
             },
         ] {
             // Values from {0, 1, 2}: most windows hold ties.

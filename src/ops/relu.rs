@@ -3,6 +3,8 @@
 
 use rayon::prelude::*;
 
+use crate::ops::{ReadF32, RoundChunk};
+
 const CHUNK: usize = 1 << 14; // elements per parallel chunk, a multiple of 8
 
 /// y = max(x, 0).
@@ -27,9 +29,16 @@ pub fn relu_backward(dx: &mut [f32], dy: &[f32], y: &[f32]) {
         });
 }
 
-/// In place: x = max(x + residual, 0), and bit i of `mask` = (x_i > 0).
-/// This is the residual add and final ReLU of a block in one pass.
-pub fn add_relu_forward(x: &mut [f32], residual: &[f32], mask: &mut [u8]) {
+/// In place: x = max(x + residual, 0), and bit i of `mask` = (x_i > 0),
+/// then `round` per chunk. This is the residual add and final ReLU of a
+/// block in one pass. The residual is read as f32 (it may be a stored bf16
+/// block input).
+pub fn add_relu_forward<R: ReadF32>(
+    x: &mut [f32],
+    residual: &[R],
+    mask: &mut [u8],
+    round: RoundChunk,
+) {
     assert_eq!(x.len(), residual.len(), "add_relu_forward: lengths");
     assert_eq!(
         mask.len(),
@@ -45,12 +54,15 @@ pub fn add_relu_forward(x: &mut [f32], residual: &[f32], mask: &mut [u8]) {
             for ((xs, rs), m) in x.chunks_mut(8).zip(res.chunks(8)).zip(mask.iter_mut()) {
                 let mut bits = 0u8;
                 for (j, (v, &r)) in xs.iter_mut().zip(rs).enumerate() {
-                    let s = *v + r;
+                    let s = *v + r.f32();
                     let pos = s > 0.0;
                     bits |= (pos as u8) << j;
                     *v = if pos { s } else { 0.0 };
                 }
                 *m = bits;
+            }
+            if let Some(round) = round {
+                round(x);
             }
         });
 }
@@ -135,7 +147,7 @@ mod tests {
 
         let mut s = x.clone();
         let mut mask = vec![0xff; n.div_ceil(8)];
-        add_relu_forward(&mut s, &res, &mut mask);
+        add_relu_forward(&mut s, &res, &mut mask, None);
         let sum: Vec<f64> = x.iter().zip(&res).map(|(&a, &b)| (a + b) as f64).collect();
         assert_close("add_relu", &s, &relu_ref(&sum), 0.0, 0.0);
         let mut dx = vec![9.0; n];
@@ -149,6 +161,17 @@ mod tests {
         let mut inplace = dy.clone();
         relu_mask_backward_inplace(&mut inplace, &mask);
         assert_close("add_relu dx in place", &inplace, &want, 0.0, 0.0);
+
+        // A bf16 residual reads as its exact f32 widening.
+        let res_bf16: Vec<half::bf16> = res.iter().map(|&v| half::bf16::from_f32(v)).collect();
+        let res_wide: Vec<f32> = res_bf16.iter().map(|v| v.to_f32()).collect();
+        let (mut a, mut b) = (x.clone(), x.clone());
+        let (mut mask_a, mut mask_b) = (vec![0; n.div_ceil(8)], vec![0; n.div_ceil(8)]);
+        add_relu_forward(&mut a, &res_bf16, &mut mask_a, None);
+        add_relu_forward(&mut b, &res_wide, &mut mask_b, None);
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&a), bits(&b), "bf16 residual");
+        assert_eq!(mask_a, mask_b);
 
         let mut r = x.clone();
         let mut mask = vec![0xff; n.div_ceil(8)];

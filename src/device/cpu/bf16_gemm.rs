@@ -24,9 +24,9 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
-use super::Lhs;
 use super::bf16_convert::round16;
 use super::gemm::{Accumulate, MatRef};
+use super::{Lhs, PackedRhs, Rhs};
 use super::{bf16_bits_to_f32, f32_to_bf16, f32_to_bf16_bits, pair_to_bf16};
 
 const MR: usize = 8;
@@ -64,6 +64,22 @@ fn pair(lo: f32, hi: f32) -> u32 {
     bf16_bits(lo) | (bf16_bits(hi) << 16)
 }
 
+/// `b` (k, n) packed once for any number of products with it
+/// ([`Rhs::Packed`]): a convolution's weight is the right operand of every
+/// im2col tile's GEMM, and packing it per tile cost more than the tiles'
+/// own packing.
+///
+/// Panics when the CPU lacks the instructions ([`available`]).
+pub fn pack_rhs(b: MatRef<'_>) -> PackedRhs {
+    assert!(available(), "gemm_bf16: CPU lacks AVX512-BF16");
+    PackedRhs {
+        // SAFETY: `available()` was asserted.
+        words: unsafe { pack_b(b) },
+        k: b.rows,
+        n: b.cols,
+    }
+}
+
 /// Packs all of `b` (k, n): for each NR-column panel, for each k-pair, NR
 /// words. Columns past `n` and the odd k tail are zero. The inner loops run
 /// along whichever direction of `b` is contiguous, so they vectorise.
@@ -88,9 +104,23 @@ unsafe fn pack_b(b: MatRef<'_>) -> Vec<u32> {
                     let hi = (2 * kp + 1 < k).then(|| &d[(2 * kp + 1) * b.rs + j0..][..nw]);
                     pair_to_bf16(&mut row[..nw], lo, hi);
                 }
+            } else if b.rs == 1 {
+                // Column-contiguous (a transposed weight): a column's k
+                // values converted in order are its k-pair words already,
+                // so convert each column as a slice and scatter its words.
+                let mut column = vec![0u32; pairs];
+                for jj in 0..nw {
+                    let halves: &mut [u16] = bytemuck::cast_slice_mut(&mut column);
+                    f32_to_bf16(&mut halves[..k], &d[(j0 + jj) * b.cs..][..k]);
+                    if k % 2 == 1 {
+                        halves[k] = 0;
+                    }
+                    for (kp, &w) in column.iter().enumerate() {
+                        words[kp * NR + jj] = w;
+                    }
+                }
             } else {
-                // Column-contiguous (a transposed view) or general strides:
-                // walk each column down k.
+                // General strides: walk each column down k.
                 for jj in 0..nw {
                     let col = |p: usize| d[p * b.rs + (j0 + jj) * b.cs];
                     for kp in 0..pairs {
@@ -337,16 +367,10 @@ unsafe fn micro_kernel(
 /// Panics when the CPU lacks the instructions ([`available`]) or the
 /// operands do not fit their slices; callers check both, so neither is user
 /// input.
-pub fn gemm_bf16_lhs(
-    dst: &mut [f32],
-    a: Lhs<'_>,
-    b: MatRef<'_>,
-    acc: Accumulate,
-    round_output: bool,
-) {
+pub fn gemm_bf16_lhs(dst: &mut [f32], a: Lhs<'_>, b: Rhs<'_>, acc: Accumulate, round_output: bool) {
     assert!(available(), "gemm_bf16: CPU lacks AVX512-BF16");
-    let ((m, k), n) = (a.dims(), b.cols);
-    assert_eq!(b.rows, k, "gemm_bf16: inner dimensions");
+    let ((m, k), (kb, n)) = (a.dims(), b.dims());
+    assert_eq!(kb, k, "gemm_bf16: inner dimensions");
     assert!(dst.len() >= m * n, "gemm_bf16: dst too small");
     let words_needed = match a {
         Lhs::F32(_) => 0,
@@ -365,8 +389,14 @@ pub fn gemm_bf16_lhs(
     if k == 0 {
         return;
     }
-    // SAFETY: `available()` was asserted.
-    let bp = unsafe { pack_b(b) };
+    let packed_here;
+    let bp: &[u32] = match b {
+        Rhs::F32(b) => {
+            packed_here = pack_rhs(b);
+            &packed_here.words
+        }
+        Rhs::Packed(p) => &p.words,
+    };
     let (pairs, panels) = (k.div_ceil(2), n.div_ceil(NR));
     let mc_task = rows_per_task(m);
     dst[..m * n]
@@ -481,7 +511,7 @@ mod tests {
     use super::*;
 
     fn gemm_bf16(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, acc: Accumulate) {
-        gemm_bf16_lhs(dst, Lhs::F32(a), b, acc, false)
+        gemm_bf16_lhs(dst, Lhs::F32(a), Rhs::F32(b), acc, false)
     }
 
     fn round_bf16(v: f32) -> f32 {
@@ -549,6 +579,40 @@ mod tests {
                 for (d, w) in dst2.iter().zip(&want) {
                     assert!((*d as f64 - w).abs() <= 1e-5 * scale * (k as f64).sqrt());
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn a_packed_rhs_gives_the_same_bits_as_packing_per_call() {
+        if !available() {
+            eprintln!("skipped: this CPU has no AVX512-BF16");
+            return;
+        }
+        // Odd k (the zero tail of a column-contiguous pack), ragged n.
+        for &(m, k, n) in &[(19, 37, 45), (64, 300, 32)] {
+            let a: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 31 % 101) as f32 - 50.0) / 9.0)
+                .collect();
+            let b: Vec<f32> = (0..k * n)
+                .map(|i| ((i * 17 % 89) as f32 - 44.0) / 7.0)
+                .collect();
+            for tb in [false, true] {
+                let bv = MatRef::test_view(&b, k, n, tb);
+                let av = MatRef::row_major(&a, m, k);
+                let mut want = vec![0.5f32; m * n];
+                gemm_bf16_lhs(&mut want, Lhs::F32(av), Rhs::F32(bv), Accumulate::Yes, true);
+                let packed = pack_rhs(bv);
+                let mut got = vec![0.5f32; m * n];
+                gemm_bf16_lhs(
+                    &mut got,
+                    Lhs::F32(av),
+                    Rhs::Packed(&packed),
+                    Accumulate::Yes,
+                    true,
+                );
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{m}x{k}x{n} transposed {tb}");
             }
         }
     }

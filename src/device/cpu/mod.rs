@@ -13,7 +13,7 @@ pub use self::bf16_convert::{
 pub use self::gemm::{Accumulate, MatRef, gemm_f32};
 
 #[cfg(target_arch = "x86_64")]
-pub use self::bf16_gemm::{available as bf16_gemm_available, gemm_bf16_lhs};
+pub use self::bf16_gemm::{available as bf16_gemm_available, gemm_bf16_lhs, pack_rhs};
 
 /// No bf16 kernel off x86-64: bf16 mode runs the f32 GEMM.
 #[cfg(not(target_arch = "x86_64"))]
@@ -22,8 +22,42 @@ pub fn bf16_gemm_available() -> bool {
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-pub fn gemm_bf16_lhs(_: &mut [f32], _: Lhs<'_>, _: MatRef<'_>, _: Accumulate, _: bool) {
+pub fn gemm_bf16_lhs(_: &mut [f32], _: Lhs<'_>, _: Rhs<'_>, _: Accumulate, _: bool) {
     unreachable!("gemm_bf16_lhs is only called when bf16_gemm_available()")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+pub fn pack_rhs(_: MatRef<'_>) -> PackedRhs {
+    unreachable!("pack_rhs is only called when bf16_gemm_available()")
+}
+
+/// The right operand of the bf16 GEMM ([`gemm_bf16_lhs`]).
+#[derive(Clone, Copy)]
+pub enum Rhs<'a> {
+    /// f32 values, rounded to bf16 and packed by the call.
+    F32(MatRef<'a>),
+    /// Packed once by [`pack_rhs`] for several calls.
+    Packed(&'a PackedRhs),
+}
+
+impl Rhs<'_> {
+    /// (inner dimension, columns) of the operand.
+    pub fn dims(&self) -> (usize, usize) {
+        match self {
+            Rhs::F32(b) => (b.rows, b.cols),
+            Rhs::Packed(p) => (p.k, p.n),
+        }
+    }
+}
+
+/// A (k, n) right operand in the bf16 GEMM's packed layout (NR-column
+/// panels of k-pair words), from [`pack_rhs`]. Ordinary heap memory, like
+/// the GEMM's per-call packing buffers.
+pub struct PackedRhs {
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    words: Vec<u32>,
+    k: usize,
+    n: usize,
 }
 
 /// The left operand of the bf16 GEMM ([`gemm_bf16_lhs`]).
@@ -82,7 +116,7 @@ impl GemmMath {
 /// `dst [+]= a · b` in the given arithmetic.
 pub fn gemm(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, acc: Accumulate, math: GemmMath) {
     if math.native_bf16() {
-        gemm_bf16_lhs(dst, Lhs::F32(a), b, acc, false)
+        gemm_bf16_lhs(dst, Lhs::F32(a), Rhs::F32(b), acc, false)
     } else {
         gemm_f32(dst, a, b, acc)
     }
@@ -92,7 +126,7 @@ pub fn gemm(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, acc: Accumulate, math
 /// kernel rounds as it stores; the fallback rounds after the f32 GEMM).
 pub fn gemm_bf16_rounded(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, acc: Accumulate) {
     if GemmMath::Bf16.native_bf16() {
-        gemm_bf16_lhs(dst, Lhs::F32(a), b, acc, true);
+        gemm_bf16_lhs(dst, Lhs::F32(a), Rhs::F32(b), acc, true);
     } else {
         gemm_f32(dst, a, b, acc);
         round_to_bf16(&mut dst[..a.rows * b.cols]);
