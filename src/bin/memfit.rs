@@ -955,13 +955,13 @@ fn pytorch_rows(a: &StrategiesArgs) -> Result<String> {
     println!(
         "| PyTorch strategy | nearest memfit row | micro-batch | peak | memory ratio | s/step | time ratio | runs timed / all |\n|---|---|---|---|---|---|---|---|"
     );
+    let cell =
+        |v: Option<f64>, digits: usize| v.map_or("-".to_string(), |v| format!("{v:.digits$}"));
+    let csv_cell = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.4}"));
     let mut csv = String::new();
     for r in &rows {
         let mr = r.peak_bytes / plain.peak_bytes;
         let tr = r.seconds.zip(plain.seconds).map(|(s, p)| s / p);
-        let cell =
-            |v: Option<f64>, digits: usize| v.map_or("-".to_string(), |v| format!("{v:.digits$}"));
-        let csv_cell = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.4}"));
         println!(
             "| {} | {} | {} | {} | {mr:.2} | {} | {} | {}/{} |",
             r.strategy,

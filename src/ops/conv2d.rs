@@ -914,8 +914,8 @@ mod tests {
 
     #[test]
     fn bf16_patches_are_the_rounded_f32_patches() {
-        // Both im2col paths (direct for cin % 16 == 0, gathered otherwise),
-        // odd and even K, padding and stride.
+        // Channel counts below and at the converter's 16-lane block, odd
+        // and even K, padding and stride.
         for (cin, kk, stride, pad) in [(3, 7, 2, 3), (5, 3, 1, 1), (16, 3, 2, 1), (32, 1, 2, 0)] {
             let g = ConvGeom {
                 n: 2,

@@ -428,13 +428,14 @@ pub fn auto_plan(
     let mut smallest: Option<CostModel> = None;
     for &m in &candidates {
         let mut costs = CostModel::measure(config, bn, optimizer, m, image_size)?;
-        if costs.best_plan(budget).is_none() {
+        let Some(modelled) = costs.best_plan(budget) else {
             smallest = Some(costs);
             continue;
+        };
+        if time == TimeModel::Flops {
+            return Ok((modelled, costs));
         }
-        if time == TimeModel::Measured {
-            costs.calibrate(config, bn, Some(budget))?;
-        }
+        costs.calibrate(config, bn, Some(budget))?;
         // Feasibility does not depend on the times, only the choice does.
         let choice = costs
             .best_plan(budget)
