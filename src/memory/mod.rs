@@ -2,19 +2,26 @@
 //! [`Category`] and a name, so live and peak bytes are facts, not estimates.
 //!
 //! * Accounting is by the bytes of storage tensors hold (`live`), per category
-//!   and in total, with peaks. `reserved` additionally counts cached free
-//!   blocks, like PyTorch's reserved vs allocated.
-//! * Freed storage is kept in a free list keyed by (dtype, length) and handed
-//!   out again for the same request, so a training step that repeats the same
-//!   shapes does no system allocation after the first step.
+//!   and in total, with peaks. `reserved` counts the memory held from the
+//!   system (live blocks, their rounding, and free cached blocks), like
+//!   PyTorch's reserved vs allocated.
+//! * Storage comes from a caching block allocator ([`arena`]): best fit,
+//!   split and merge, so a training step does no system allocation after
+//!   the first, even when its sizes vary.
 //! * An optional hard budget on live bytes: a request that would cross it
-//!   fails with [`Error::OutOfBudget`] and a [`BudgetReport`]. Cached blocks
-//!   are dropped before reserved memory would cross the budget.
+//!   fails with [`Error::OutOfBudget`] and a [`BudgetReport`]. Reserved
+//!   memory is kept under the budget as well: under one, the pool holds a
+//!   single arena segment the size of the budget (its pages are touched
+//!   only as they are used), and goes over only when fragmentation leaves
+//!   no free block for a request that fits the budget (counted in
+//!   [`MemoryStats::reserved_peak`]).
 //! * An optional timeline records every alloc/free event.
 //! * A *shapes-only* pool ([`Pool::shapes_only`]) does the same accounting
 //!   with empty storage, and layers skip their kernels on it: running the
 //!   executor on it predicts the exact allocation sequence and peak of a
 //!   step in microseconds, without the memory (the planner's simulator).
+
+pub(crate) mod arena;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -22,6 +29,14 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Shape, Storage, Tensor};
+use arena::{Arena, block_size};
+
+/// Segment size of a pool without a budget: large enough that a ResNet-50
+/// step's buffers share a few segments (and free neighbours can merge).
+const SEGMENT_BYTES: usize = 64 << 20;
+/// Under a budget, the one arena segment is at most this large, so a huge
+/// budget does not ask the system for an address range beyond reason.
+const MAX_SEGMENT_BYTES: usize = 4 << 30;
 
 /// What a buffer is for. The planner and the reports speak in these.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -201,13 +216,15 @@ pub struct MemoryStats {
     pub peak_total: usize,
     /// Live bytes per category at the moment `peak_total` was reached.
     pub at_peak: ByCategory,
-    /// Live plus cached free storage.
+    /// Memory held from the system: segments, live or free.
     pub reserved: usize,
-    /// Storage requests that had to go to the system allocator.
+    /// The highest `reserved` so far.
+    pub reserved_peak: usize,
+    /// Segments asked of the system.
     pub system_allocs: u64,
     /// Their bytes.
     pub system_alloc_bytes: usize,
-    /// Storage requests served from the free list.
+    /// Storage requests served from cached segments.
     pub reuses: u64,
 }
 
@@ -224,9 +241,9 @@ struct PoolState {
     live_total: usize,
     peak_total: usize,
     at_peak: [usize; 6],
-    cached_bytes: usize,
     budget: Option<usize>,
-    free: HashMap<(DType, usize), Vec<Storage>>,
+    arena: Arena,
+    reserved_peak: usize,
     system_allocs: u64,
     system_alloc_bytes: usize,
     reuses: u64,
@@ -236,50 +253,46 @@ struct PoolState {
     timeline_start: Option<std::time::Instant>,
 }
 
-/// Bytes of a cached storage of `len` units (a bit mask's units are bytes).
-fn storage_bytes_of(dtype: DType, len: usize) -> usize {
-    match dtype {
-        DType::Bits => len,
-        _ => dtype.storage_bytes(len),
-    }
-}
-
 impl PoolState {
-    fn drop_cache(&mut self) {
-        self.free.clear();
-        self.cached_bytes = 0;
-    }
-
-    /// Frees cached storage until `need` more bytes fit under `budget`
-    /// together with what is live and cached, evicting as few bytes as it
-    /// can: the smallest buffer that covers the shortfall, else the largest
-    /// first. Every step allocates the same sizes again, so each evicted
-    /// byte is asked of the system again next step (fresh pages: faults and
-    /// zeroing); dropping the whole cache made a tight budget cost ~15% of
-    /// the step.
-    fn evict_for(&mut self, need: usize, budget: usize) {
-        while self.cached_bytes > 0 && self.live_total + self.cached_bytes + need > budget {
-            let short = self.live_total + self.cached_bytes + need - budget;
-            // Ties broken by (bytes, len, dtype name): the same choice on
-            // every run, whatever the hash order.
-            let rank =
-                |&(dtype, len): &(DType, usize)| (storage_bytes_of(dtype, len), len, dtype.name());
-            let keys = self
-                .free
-                .iter()
-                .filter(|(_, v)| !v.is_empty())
-                .map(|(k, _)| *k);
-            let covering = keys.clone().filter(|k| rank(k).0 >= short).min_by_key(rank);
-            let Some(key) = covering.or_else(|| keys.max_by_key(rank)) else {
-                break;
-            };
-            let list = self.free.get_mut(&key).expect("chosen from the map");
-            list.pop();
-            if list.is_empty() {
-                self.free.remove(&key);
-            }
-            self.cached_bytes -= storage_bytes_of(key.0, key.1);
+    /// A block of at least `bytes` (a block size): from the arena's free
+    /// blocks, else from a new segment.
+    fn take_block(&mut self, bytes: usize) -> arena::Place {
+        if let Some(place) = self.arena.take(bytes) {
+            self.reuses += 1;
+            return place;
         }
+        let segment = match self.budget {
+            None => bytes.max(SEGMENT_BYTES),
+            Some(budget) => {
+                let room = |a: &Arena| budget.saturating_sub(a.reserved());
+                if room(&self.arena) < bytes {
+                    // Unused segments (say, from before the budget was
+                    // set) make way for one that can hold the request.
+                    let short = bytes - room(&self.arena);
+                    self.arena.release_unused(short);
+                }
+                let room = room(&self.arena);
+                if room >= bytes {
+                    // All the room the budget leaves, in one segment: every
+                    // later block is carved from it and its free neighbours
+                    // merge, so the step settles into it.
+                    (room / arena::BLOCK_ALIGN * arena::BLOCK_ALIGN)
+                        .min(MAX_SEGMENT_BYTES.max(bytes))
+                } else {
+                    // The request fits the budget's live bytes, but no free
+                    // block is large enough (fragmentation): go over the
+                    // budget's reserve rather than fail a step that fits.
+                    bytes
+                }
+            }
+        };
+        self.system_allocs += 1;
+        self.system_alloc_bytes += segment;
+        self.arena.add_segment(segment);
+        self.reserved_peak = self.reserved_peak.max(self.arena.reserved());
+        self.arena
+            .take(bytes)
+            .expect("a new segment holds the request")
     }
 
     /// Live buffers as (tag, category, bytes), largest first.
@@ -375,7 +388,8 @@ impl Pool {
             peak: ByCategory(s.peak),
             peak_total: s.peak_total,
             at_peak: ByCategory(s.at_peak),
-            reserved: s.live_total + s.cached_bytes,
+            reserved: s.arena.reserved(),
+            reserved_peak: s.reserved_peak,
             system_allocs: s.system_allocs,
             system_alloc_bytes: s.system_alloc_bytes,
             reuses: s.reuses,
@@ -394,9 +408,9 @@ impl Pool {
         s.at_peak = s.live;
     }
 
-    /// Return all cached free storage to the system.
+    /// Return every unused segment to the system.
     pub fn empty_cache(&self) {
-        self.lock().drop_cache();
+        self.lock().arena.release_unused(usize::MAX);
     }
 
     /// Live buffers as (tag, category, bytes), largest first.
@@ -482,26 +496,15 @@ impl Pool {
                 s.report(&tag, category, bytes),
             )));
         }
-        let reused = s.free.get_mut(&(dtype, len)).and_then(|v| v.pop());
-        let storage = match reused {
-            Some(mut st) => {
-                s.cached_bytes -= bytes;
-                s.reuses += 1;
-                if zero {
-                    st.fill_zero();
-                }
-                st
+        let storage = if len == 0 {
+            Storage::empty(dtype)
+        } else {
+            let place = s.take_block(block_size(bytes));
+            let mut st = Storage::in_block(s.arena.address(place), dtype, len, place);
+            if zero {
+                st.fill_zero();
             }
-            None => {
-                // Keep reserved memory under the budget too: free cached
-                // storage before asking the system for more.
-                if let Some(budget) = s.budget {
-                    s.evict_for(bytes, budget);
-                }
-                s.system_allocs += 1;
-                s.system_alloc_bytes += bytes;
-                Storage::zeroed(dtype, len)
-            }
+            st
         };
         let id = s.next_id;
         s.next_id += 1;
@@ -564,14 +567,9 @@ impl Pool {
                 live_total,
             });
         }
-        if self.shapes_only {
-            return; // nothing to cache: the storage is empty
+        if let Some(place) = storage.place() {
+            s.arena.give(place);
         }
-        s.cached_bytes += entry.bytes;
-        s.free
-            .entry((storage.dtype(), storage.len()))
-            .or_default()
-            .push(storage);
     }
 
     fn meta_of(&self, id: u64) -> Option<(Tag, Category)> {
@@ -695,57 +693,95 @@ mod tests {
         }
     }
 
+    const MIB: usize = 1 << 20;
+
     #[test]
-    fn freed_storage_is_reused_and_cache_respects_budget() {
-        let pool = Pool::with_budget(4096);
+    fn freed_storage_serves_other_sizes_and_types() {
+        let pool = Pool::new();
         let a = pool
-            .zeros_f32(&[512], Category::Activations, Tag::fixed("a"))
+            .zeros_f32(&[1 << 20], Category::Activations, Tag::fixed("a"))
             .unwrap();
         drop(a);
-        assert_eq!(pool.stats().reserved, 2048);
-        let b = pool
-            .empty_f32(&[512], Category::Activations, Tag::fixed("b"))
+        // Smaller, and of another type: carved from the freed 4 MiB.
+        let mut b = pool
+            .zeros(
+                &[3 << 20],
+                DType::BF16,
+                Category::Workspace,
+                Tag::fixed("b"),
+            )
             .unwrap();
-        assert_eq!(
-            pool.stats().system_allocs,
-            1,
-            "same-size request reuses the freed block"
-        );
-        drop(b);
-        // A different size would push reserved over the budget: the cache is dropped.
-        let _c = pool
-            .zeros_f32(&[1024], Category::Activations, Tag::fixed("c"))
+        let c = pool
+            .empty_f32(&[100], Category::Activations, Tag::fixed("c"))
             .unwrap();
         let s = pool.stats();
-        assert_eq!(s.system_allocs, 2);
-        assert_eq!(s.reserved, 4096);
+        assert_eq!((s.system_allocs, s.reuses), (1, 2));
+        assert_eq!(s.reserved, SEGMENT_BYTES);
+        assert_eq!(
+            s.live.total(),
+            6 * MIB + 400,
+            "live bytes are the requests'"
+        );
+        assert!(
+            b.bf16().iter().all(|v| v.to_f32() == 0.0),
+            "zeros() zeroes reused bytes"
+        );
+        b.bf16_mut()[0] = half::bf16::ONE;
+        drop((b, c));
+        pool.empty_cache();
+        assert_eq!(pool.stats().reserved, 0, "an unused segment goes back");
     }
 
     #[test]
-    fn a_tight_budget_evicts_only_what_the_request_needs() {
-        let pool = Pool::with_budget(10_000);
-        let f32s = |n: usize, tag| {
-            pool.empty_f32(&[n], Category::Activations, Tag::fixed(tag))
+    fn a_budget_keeps_reserved_memory_under_it() {
+        let budget = 10 * MIB;
+        let pool = Pool::with_budget(budget);
+        let f32s = |n: usize| {
+            pool.empty_f32(&[n], Category::Activations, Tag::fixed("x"))
                 .unwrap()
         };
-        drop((f32s(250, "a"), f32s(500, "b"), f32s(1000, "c")));
-        assert_eq!(pool.stats().reserved, 7000);
-        // 7000 cached + 4004 new is 1004 over: the 2000-byte buffer (the
-        // smallest that covers it) goes, the other two stay.
-        let d = f32s(1001, "d");
+        // A step-like pattern of changing sizes, repeated: one segment the
+        // size of the budget serves it all.
+        for _ in 0..3 {
+            let a = f32s(MIB / 2); // 2 MiB
+            let b = f32s(MIB); // 4 MiB
+            drop(a);
+            let c = f32s(MIB / 4);
+            let d = f32s(3 * MIB / 8);
+            drop((b, c));
+            let e = f32s(3 * MIB / 2); // 6 MiB, where a, b and c were
+            drop((d, e));
+        }
         let s = pool.stats();
-        assert_eq!((s.system_allocs, s.reserved), (4, 9004));
-        let (a, c) = (f32s(250, "a again"), f32s(1000, "c again"));
-        assert_eq!(pool.stats().system_allocs, 4, "both served from the cache");
-        // 9004 cached + 6000 new: no one buffer covers 5004, so the largest
-        // (4004) goes first, then the smallest that covers the remaining
-        // 1000; the 4000-byte buffer stays.
-        drop((a, c, d));
-        let g = f32s(1500, "g");
+        assert_eq!((s.system_allocs, s.reuses), (1, 14));
+        assert_eq!((s.reserved, s.reserved_peak), (budget, budget));
+    }
+
+    #[test]
+    fn fragmentation_under_a_budget_goes_over_the_reserve_not_the_budget() {
+        let pool = Pool::with_budget(8 * MIB);
+        let mib = |tag| {
+            pool.empty_f32(&[MIB / 4], Category::Activations, Tag::fixed(tag))
+                .unwrap()
+        };
+        let held: Vec<_> = (0..8).map(|_| mib("x")).collect();
+        let odd: Vec<_> = held
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| i % 2 == 1)
+            .collect();
+        // 4 MiB live in 1 MiB pieces, every other MiB free: a 2 MiB request
+        // fits the budget but no free block.
+        let two = pool
+            .empty_f32(&[MIB / 2], Category::Activations, Tag::fixed("two"))
+            .unwrap();
         let s = pool.stats();
-        assert_eq!((s.system_allocs, s.reserved), (5, 10_000));
-        let c = f32s(1000, "c once more");
-        assert_eq!(pool.stats().system_allocs, 5);
-        drop((c, g));
+        assert_eq!((s.live.total(), s.peak_total), (6 * MIB, 8 * MIB));
+        assert_eq!((s.system_allocs, s.reserved), (2, 10 * MIB));
+        assert_eq!(s.reserved_peak, 10 * MIB);
+        drop((odd, two));
+        // Nothing live: the extra segment can go back.
+        pool.empty_cache();
+        assert_eq!(pool.stats().reserved, 0);
     }
 }

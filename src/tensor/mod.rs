@@ -4,9 +4,12 @@
 //! the [`Pool`](crate::memory::Pool) it came from when dropped, so the pool's
 //! live-byte count is exactly the storage of the tensors that exist.
 
+use std::ptr::NonNull;
+
 use half::{bf16, f16};
 
 use crate::memory::Lease;
+use crate::memory::arena::Place;
 
 /// Element type of a tensor's storage.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -88,60 +91,92 @@ impl std::fmt::Debug for Shape {
     }
 }
 
-/// Backing storage, one variant per element type.
+/// Backing storage: a block of pool memory holding `len` units of one
+/// element type. Blocks are typeless bytes in the pool's arena (see
+/// `memory::arena`); the storage owns its block exclusively until the tensor
+/// holding it hands it back.
 #[derive(Debug)]
-pub enum Storage {
-    F32(Vec<f32>),
-    BF16(Vec<bf16>),
-    F16(Vec<f16>),
-    I64(Vec<i64>),
-    Bits(Vec<u8>),
+pub struct Storage {
+    ptr: NonNull<u8>,
+    dtype: DType,
+    len: usize,
+    /// The block, or None for storage that holds no bytes (a shapes-only
+    /// pool's, or an empty tensor's).
+    place: Option<Place>,
 }
 
+// SAFETY: a storage is the only handle to its block's bytes (like a Vec of
+// plain numbers), so moving it to or sharing it with another thread is safe.
+unsafe impl Send for Storage {}
+unsafe impl Sync for Storage {}
+
 impl Storage {
-    /// A zero-filled storage of `len` units (a fresh system allocation).
-    pub fn zeroed(dtype: DType, len: usize) -> Self {
-        match dtype {
-            DType::F32 => Storage::F32(vec![0.0; len]),
-            DType::BF16 => Storage::BF16(vec![bf16::ZERO; len]),
-            DType::F16 => Storage::F16(vec![f16::ZERO; len]),
-            DType::I64 => Storage::I64(vec![0; len]),
-            DType::Bits => Storage::Bits(vec![0; len]),
+    /// Storage over a block at `ptr` (aligned to 64 bytes, at least
+    /// `dtype.storage_bytes`-worth of `len` units, initialised).
+    pub(crate) fn in_block(ptr: NonNull<u8>, dtype: DType, len: usize, place: Place) -> Self {
+        debug_assert_eq!(ptr.as_ptr() as usize % 64, 0);
+        debug_assert!(place.bytes >= storage_bytes(dtype, len));
+        Storage {
+            ptr,
+            dtype,
+            len,
+            place: Some(place),
         }
+    }
+
+    /// Storage with no bytes.
+    pub(crate) fn empty(dtype: DType) -> Self {
+        Storage {
+            // Aligned for every element type, never dereferenced.
+            ptr: NonNull::<u64>::dangling().cast(),
+            dtype,
+            len: 0,
+            place: None,
+        }
+    }
+
+    pub(crate) fn place(&self) -> Option<Place> {
+        self.place
     }
 
     pub fn dtype(&self) -> DType {
-        match self {
-            Storage::F32(_) => DType::F32,
-            Storage::BF16(_) => DType::BF16,
-            Storage::F16(_) => DType::F16,
-            Storage::I64(_) => DType::I64,
-            Storage::Bits(_) => DType::Bits,
-        }
+        self.dtype
     }
 
+    /// Units of storage (elements; bytes for a bit mask).
     pub fn len(&self) -> usize {
-        match self {
-            Storage::F32(v) => v.len(),
-            Storage::BF16(v) => v.len(),
-            Storage::F16(v) => v.len(),
-            Storage::I64(v) => v.len(),
-            Storage::Bits(v) => v.len(),
-        }
+        self.len
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.len == 0
     }
 
     pub fn fill_zero(&mut self) {
-        match self {
-            Storage::F32(v) => v.fill(0.0),
-            Storage::BF16(v) => v.fill(bf16::ZERO),
-            Storage::F16(v) => v.fill(f16::ZERO),
-            Storage::I64(v) => v.fill(0),
-            Storage::Bits(v) => v.fill(0),
-        }
+        // SAFETY: the block holds at least this many bytes; zero bytes are
+        // a valid value of every element type.
+        unsafe { std::ptr::write_bytes(self.ptr.as_ptr(), 0, storage_bytes(self.dtype, self.len)) }
+    }
+
+    /// The units as `T`. Callers check that `T` is the dtype's type.
+    fn slice<T>(&self) -> &[T] {
+        // SAFETY: ptr is aligned for T, the block holds len initialised
+        // units, and the shared borrow of self keeps them from changing.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().cast::<T>(), self.len) }
+    }
+
+    fn slice_mut<T>(&mut self) -> &mut [T] {
+        // SAFETY: as in `slice`, and the exclusive borrow of self (the only
+        // handle to the block) makes this the only reference.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().cast::<T>(), self.len) }
+    }
+}
+
+/// Bytes of `len` storage units.
+fn storage_bytes(dtype: DType, len: usize) -> usize {
+    match dtype {
+        DType::Bits => len,
+        _ => dtype.storage_bytes(len),
     }
 }
 
@@ -217,92 +252,62 @@ impl Tensor {
 
     // Typed views. A wrong dtype is a bug in the engine, never user input,
     // so these panic with the tensor's tag rather than return an error.
-    pub fn f32(&self) -> &[f32] {
-        match self.storage() {
-            Storage::F32(v) => v,
-            s => panic!(
-                "{}: expected f32 storage, found {:?}",
+    fn view<T>(&self, want: DType) -> &[T] {
+        let s = self.storage();
+        if s.dtype != want {
+            panic!(
+                "{}: expected {} storage, found {}",
                 self.tag(),
-                s.dtype()
-            ),
+                want.name(),
+                s.dtype.name()
+            );
         }
+        s.slice()
+    }
+
+    fn view_mut<T>(&mut self, want: DType) -> &mut [T] {
+        let found = self.storage().dtype;
+        if found != want {
+            panic!(
+                "{}: expected {} storage, found {}",
+                self.tag(),
+                want.name(),
+                found.name()
+            );
+        }
+        self.storage_mut().slice_mut()
+    }
+
+    pub fn f32(&self) -> &[f32] {
+        self.view(DType::F32)
     }
 
     pub fn f32_mut(&mut self) -> &mut [f32] {
-        match self.storage.as_mut() {
-            Some(Storage::F32(v)) => v,
-            other => panic!(
-                "{}: expected f32 storage, found {:?}",
-                self.lease.tag(),
-                other.map(|s| s.dtype())
-            ),
-        }
+        self.view_mut(DType::F32)
     }
 
     pub fn bits(&self) -> &[u8] {
-        match self.storage() {
-            Storage::Bits(v) => v,
-            s => panic!(
-                "{}: expected bit storage, found {:?}",
-                self.tag(),
-                s.dtype()
-            ),
-        }
+        self.view(DType::Bits)
     }
 
     pub fn bits_mut(&mut self) -> &mut [u8] {
-        match self.storage.as_mut() {
-            Some(Storage::Bits(v)) => v,
-            other => panic!(
-                "{}: expected bits storage, found {:?}",
-                self.lease.tag(),
-                other.map(|s| s.dtype())
-            ),
-        }
+        self.view_mut(DType::Bits)
     }
 
     pub fn bf16(&self) -> &[bf16] {
-        match self.storage() {
-            Storage::BF16(v) => v,
-            s => panic!(
-                "{}: expected bf16 storage, found {:?}",
-                self.tag(),
-                s.dtype()
-            ),
-        }
+        self.view(DType::BF16)
     }
 
     pub fn bf16_mut(&mut self) -> &mut [bf16] {
-        match self.storage.as_mut() {
-            Some(Storage::BF16(v)) => v,
-            other => panic!(
-                "{}: expected bf16 storage, found {:?}",
-                self.lease.tag(),
-                other.map(|s| s.dtype())
-            ),
-        }
+        self.view_mut(DType::BF16)
     }
 
     pub fn f16(&self) -> &[f16] {
-        match self.storage() {
-            Storage::F16(v) => v,
-            s => panic!(
-                "{}: expected f16 storage, found {:?}",
-                self.tag(),
-                s.dtype()
-            ),
-        }
+        self.view(DType::F16)
     }
 
     pub fn f16_mut(&mut self) -> &mut [f16] {
-        match self.storage.as_mut() {
-            Some(Storage::F16(v)) => v,
-            other => panic!(
-                "{}: expected f16 storage, found {:?}",
-                self.lease.tag(),
-                other.map(|s| s.dtype())
-            ),
-        }
+        self.view_mut(DType::F16)
     }
 
     pub fn fill_zero(&mut self) {
