@@ -17,10 +17,14 @@
 //!   split rows only, so results do not depend on the number of threads.
 //!
 //! Packing buffers (a copy of `b`, and a block of `a` per task) are ordinary
-//! heap memory, like the `gemm` crate's own packing buffers.
+//! heap memory, like the `gemm` crate's own packing buffers. Copies of `b`
+//! are large (a weight gradient's `dy` packs to megabytes), so a few freed
+//! ones are kept for the next call ([`take_words`]): a fresh allocation of
+//! that size comes from `mmap` and pays a page fault per 4 KiB on first
+//! touch, which cost more than the packing itself.
 
 use std::arch::x86_64::*;
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 use rayon::prelude::*;
 
@@ -64,6 +68,49 @@ fn pair(lo: f32, hi: f32) -> u32 {
     bf16_bits(lo) | (bf16_bits(hi) << 16)
 }
 
+/// Freed copies of `b` kept for reuse ([`take_words`], [`return_words`]).
+static SPARE_WORDS: Mutex<Vec<Vec<u32>>> = Mutex::new(Vec::new());
+/// At most this many spare buffers are kept: a convolution backward holds
+/// two packed operands at once, and the split pointwise weight gradient two
+/// more.
+const SPARE_MAX: usize = 4;
+/// Spare buffers larger than this (in words, 32 MiB) go back to the system.
+const SPARE_MAX_WORDS: usize = 8 << 20;
+
+/// A buffer of `len` words for a packed `b`, reused when one is spare. Its
+/// contents are stale: the packer writes every word.
+fn take_words(len: usize) -> Vec<u32> {
+    let reused = {
+        let mut spare = SPARE_WORDS.lock().unwrap_or_else(|e| e.into_inner());
+        // The smallest spare that holds `len` words, else the largest.
+        let fits = (0..spare.len())
+            .filter(|&i| spare[i].capacity() >= len)
+            .min_by_key(|&i| spare[i].capacity());
+        let pick = fits.or_else(|| (0..spare.len()).max_by_key(|&i| spare[i].capacity()));
+        pick.map(|i| spare.swap_remove(i))
+    };
+    let mut words = reused.unwrap_or_default();
+    words.resize(len, 0);
+    words
+}
+
+/// Keeps a packed `b`'s buffer for a later [`take_words`] (or frees it when
+/// enough are kept or it is very large).
+pub(super) fn return_words(words: Vec<u32>) {
+    if words.capacity() == 0 || words.capacity() > SPARE_MAX_WORDS {
+        return;
+    }
+    let mut spare = SPARE_WORDS.lock().unwrap_or_else(|e| e.into_inner());
+    if spare.len() < SPARE_MAX {
+        spare.push(words);
+    } else if let Some(i) = (0..spare.len()).min_by_key(|&i| spare[i].capacity()) {
+        // Keep the larger buffers: they serve every smaller request.
+        if spare[i].capacity() < words.capacity() {
+            spare[i] = words;
+        }
+    }
+}
+
 /// `b` (k, n) packed once for any number of products with it
 /// ([`Rhs::Packed`]): a convolution's weight is the right operand of every
 /// im2col tile's GEMM, and packing it per tile cost more than the tiles'
@@ -80,23 +127,41 @@ pub fn pack_rhs(b: MatRef<'_>) -> PackedRhs {
     }
 }
 
-/// Packs all of `b` (k, n): for each NR-column panel, for each k-pair, NR
-/// words. Columns past `n` and the odd k tail are zero. The inner loops run
-/// along whichever direction of `b` is contiguous, so they vectorise.
+/// Packs all of `b` (k, n) into a (reused) buffer ([`pack_b_into`]).
 ///
 /// # Safety
 /// The CPU must have AVX-512F ([`available`]).
 #[target_feature(enable = "avx512f")]
 unsafe fn pack_b(b: MatRef<'_>) -> Vec<u32> {
+    let mut out = take_words(b.rows.div_ceil(2) * b.cols.div_ceil(NR) * NR);
+    // SAFETY: as this function's.
+    unsafe { pack_b_into(&mut out, b) };
+    out
+}
+
+/// Packs all of `b` (k, n) into `out` (⌈k/2⌉·⌈n/NR⌉·NR words): for each
+/// NR-column panel, for each k-pair, NR words. Columns past `n` and the odd
+/// k tail are zero. Every word is written, so `out`'s previous contents do
+/// not matter. The inner loops run along whichever direction of `b` is
+/// contiguous, so they vectorise.
+///
+/// # Safety
+/// The CPU must have AVX-512F ([`available`]).
+#[target_feature(enable = "avx512f")]
+unsafe fn pack_b_into(out: &mut [u32], b: MatRef<'_>) {
     let (k, n) = (b.rows, b.cols);
     let (pairs, panels) = (k.div_ceil(2), n.div_ceil(NR));
-    let mut out = vec![0u32; panels * pairs * NR];
+    assert_eq!(out.len(), panels * pairs * NR, "pack_b: buffer length");
     let d = b.data;
     out.par_chunks_mut(pairs * NR)
         .enumerate()
         .for_each(|(panel, words)| {
             let j0 = panel * NR;
             let nw = NR.min(n - j0);
+            if nw < NR {
+                // The ragged last panel: its columns past `n` stay zero.
+                words.fill(0);
+            }
             if b.cs == 1 {
                 // Row-major: pair two rows, column by column.
                 for (kp, row) in words.chunks_exact_mut(NR).enumerate() {
@@ -130,7 +195,6 @@ unsafe fn pack_b(b: MatRef<'_>) -> Vec<u32> {
                 }
             }
         });
-    out
 }
 
 /// How a packed block of `a` is laid out: word (row ii, k-pair kp) of a
@@ -389,7 +453,7 @@ pub fn gemm_bf16_lhs(dst: &mut [f32], a: Lhs<'_>, b: Rhs<'_>, acc: Accumulate, r
     if k == 0 {
         return;
     }
-    let packed_here;
+    let packed_here: PackedRhs;
     let bp: &[u32] = match b {
         Rhs::F32(b) => {
             packed_here = pack_rhs(b);
@@ -615,6 +679,51 @@ mod tests {
                 assert_eq!(bits(&got), bits(&want), "{m}x{k}x{n} transposed {tb}");
             }
         }
+    }
+
+    #[test]
+    fn packing_writes_every_word_of_a_reused_buffer() {
+        if !available() {
+            eprintln!("skipped: this CPU has no AVX512-BF16");
+            return;
+        }
+        // Ragged n (a part-filled last panel) and odd k (a zero tail), in
+        // each of the packer's three stride cases.
+        let (k, n) = (37, 45);
+        let b: Vec<f32> = (0..k * n)
+            .map(|i| ((i * 13 % 71) as f32 - 35.0) / 3.0)
+            .collect();
+        let rowm = MatRef::row_major(&b, k, n);
+        let colm = MatRef::row_major(&b, n, k).t();
+        let strided = MatRef {
+            data: &b,
+            rows: k,
+            cols: n / 2,
+            rs: n,
+            cs: 2,
+        };
+        for bv in [rowm, colm, strided] {
+            let len = bv.rows.div_ceil(2) * bv.cols.div_ceil(NR) * NR;
+            let mut fresh = vec![0u32; len];
+            let mut stale = vec![u32::MAX; len];
+            // SAFETY: `available()` was checked.
+            unsafe {
+                pack_b_into(&mut fresh, bv);
+                pack_b_into(&mut stale, bv);
+            }
+            assert_eq!(
+                fresh, stale,
+                "{}x{} rs {} cs {}",
+                bv.rows, bv.cols, bv.rs, bv.cs
+            );
+        }
+        // Through the spare buffers: a dirty one returned, then reused.
+        return_words(vec![u32::MAX; 4 * k * n]);
+        let got = pack_rhs(rowm);
+        let mut want = vec![0u32; got.words.len()];
+        // SAFETY: as above.
+        unsafe { pack_b_into(&mut want, rowm) };
+        assert_eq!(got.words, want);
     }
 
     #[test]
