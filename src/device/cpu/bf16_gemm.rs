@@ -363,9 +363,10 @@ unsafe fn pack_a_bf16_transposed(
 
 /// `c (MR×NR, row stride ldc) += Σ_kp a[·, kp] ⊗ bp[kp]` over `kc2`
 /// k-pairs, with row ii's word for k-pair kp at `ap[ii·l.row + kp·l.pair]`.
-/// The tile of `c` is loaded into the accumulators and stored back once,
-/// rounded to bf16 when `round` (the last k-block of an output the caller
-/// wants in bf16).
+/// The tile of `c` is loaded into the accumulators (when `load`; else they
+/// start at zero, as from a zeroed `c`, which then need not be zeroed) and
+/// stored back once, rounded to bf16 when `round` (the last k-block of an
+/// output the caller wants in bf16).
 ///
 /// # Safety
 /// The CPU must have AVX-512F and AVX512-BF16; `ap` must hold every word
@@ -380,15 +381,18 @@ unsafe fn micro_kernel(
     bp: &[u32],
     c: *mut f32,
     ldc: usize,
+    load: bool,
     round: bool,
 ) {
     debug_assert!(ap.len() > (MR - 1) * l.row + (kc2 - 1) * l.pair && bp.len() >= kc2 * NR);
     let mut acc = [[_mm512_setzero_ps(); 2]; MR];
-    for (ii, ci) in acc.iter_mut().enumerate() {
-        // SAFETY: the tile lies inside `c` by the contract above.
-        unsafe {
-            ci[0] = _mm512_loadu_ps(c.add(ii * ldc));
-            ci[1] = _mm512_loadu_ps(c.add(ii * ldc + 16));
+    if load {
+        for (ii, ci) in acc.iter_mut().enumerate() {
+            // SAFETY: the tile lies inside `c` by the contract above.
+            unsafe {
+                ci[0] = _mm512_loadu_ps(c.add(ii * ldc));
+                ci[1] = _mm512_loadu_ps(c.add(ii * ldc + 16));
+            }
         }
     }
     let a = ap.as_ptr();
@@ -447,12 +451,17 @@ pub fn gemm_bf16_lhs(dst: &mut [f32], a: Lhs<'_>, b: Rhs<'_>, acc: Accumulate, r
     if m == 0 || n == 0 {
         return;
     }
-    if acc == Accumulate::No {
-        dst[..m * n].fill(0.0);
-    }
     if k == 0 {
+        if acc == Accumulate::No {
+            dst[..m * n].fill(0.0);
+        }
         return;
     }
+    // Without accumulation the first k-block stores instead of adding, so
+    // `dst` is never zeroed first (a serial pass over the whole output).
+    // The same bits: a sum never comes out as -0 from +0 accumulators, and
+    // +0 + t = t for every other t.
+    let overwrite = acc == Accumulate::No;
     let packed_here: PackedRhs;
     let bp: &[u32] = match b {
         Rhs::F32(b) => {
@@ -475,6 +484,7 @@ pub fn gemm_bf16_lhs(dst: &mut [f32], a: Lhs<'_>, b: Rhs<'_>, acc: Accumulate, r
                 let kc = KC.min(k - p0);
                 let kc2 = kc.div_ceil(2);
                 let round = round_output && p0 + kc == k;
+                let load = !(overwrite && p0 == 0);
                 let packed = match a {
                     // SAFETY: `available()` was asserted.
                     Lhs::F32(a) => Some(unsafe { pack_a(&mut ap, a, i0, mc, p0, kc) }),
@@ -537,11 +547,10 @@ pub fn gemm_bf16_lhs(dst: &mut [f32], a: Lhs<'_>, b: Rhs<'_>, acc: Accumulate, r
                             // micro-panel holds MR rows of kc2 words at its
                             // layout, a B panel kc2·NR words, and the full
                             // MR×NR tile lies inside `drows`.
-                            unsafe { micro_kernel(kc2, apanel, layout, bpanel, c, n, round) };
+                            unsafe { micro_kernel(kc2, apanel, layout, bpanel, c, n, load, round) };
                         } else {
-                            // A ragged edge: run on a zeroed full tile, then
-                            // add its valid part.
-                            tile.fill(0.0);
+                            // A ragged edge: run on a full tile from zero,
+                            // then add (or store) its valid part.
                             // SAFETY: as above; `tile` is MR×NR.
                             unsafe {
                                 micro_kernel(
@@ -552,12 +561,13 @@ pub fn gemm_bf16_lhs(dst: &mut [f32], a: Lhs<'_>, b: Rhs<'_>, acc: Accumulate, r
                                     tile.as_mut_ptr(),
                                     NR,
                                     false,
+                                    false,
                                 )
                             };
                             for (ii, trow) in tile.chunks_exact(NR).take(rows).enumerate() {
                                 let drow = &mut drows[(r0 + ii) * n + j0..][..nw];
                                 for (d, t) in drow.iter_mut().zip(trow) {
-                                    *d += t;
+                                    *d = if load { *d + t } else { *t };
                                     if round {
                                         *d = bf16_bits_to_f32(f32_to_bf16_bits(*d));
                                     }
@@ -724,6 +734,37 @@ mod tests {
         // SAFETY: as above.
         unsafe { pack_b_into(&mut want, rowm) };
         assert_eq!(got.words, want);
+    }
+
+    #[test]
+    fn overwriting_gives_the_bits_of_accumulating_into_zeros() {
+        if !available() {
+            eprintln!("skipped: this CPU has no AVX512-BF16");
+            return;
+        }
+        // Ragged edges and k over several blocks; sums that cancel to zero
+        // (the -0 question) from the repeating values.
+        for &(m, k, n) in &[(9, 3, 33), (37, 515, 23), (64, 256, 64)] {
+            let a: Vec<f32> = (0..m * k).map(|i| ((i % 5) as f32 - 2.0) / 4.0).collect();
+            let b: Vec<f32> = (0..k * n)
+                .map(|i| ((i * 7 % 9) as f32 - 4.0) / 8.0)
+                .collect();
+            let (av, bv) = (MatRef::row_major(&a, m, k), MatRef::row_major(&b, k, n));
+            for round in [false, true] {
+                let mut want = vec![0.0f32; m * n];
+                gemm_bf16_lhs(
+                    &mut want,
+                    Lhs::F32(av),
+                    Rhs::F32(bv),
+                    Accumulate::Yes,
+                    round,
+                );
+                let mut got = vec![f32::NAN; m * n];
+                gemm_bf16_lhs(&mut got, Lhs::F32(av), Rhs::F32(bv), Accumulate::No, round);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{m}x{k}x{n} round {round}");
+            }
+        }
     }
 
     #[test]
