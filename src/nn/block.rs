@@ -307,7 +307,7 @@ impl BasicBlock {
         let y1 = self
             .conv1
             .forward(pool, x_copy.as_deref().unwrap_or(&x), "y")?;
-        let (a1, bn1) = self.bn1.forward(pool, &y1, true, mode, "a")?;
+        let (a1, bn1) = self.bn1.forward_relu_for_conv(pool, &y1, mode, "a")?;
         let y1 = store(pool, y1, sp)?;
         let y2 = self.conv2.forward(pool, &a1, "y")?;
         let a1 = keep_bn_relu(pool, a1, sp, self.recompute_bn_relu)?;
@@ -500,11 +500,11 @@ impl Bottleneck {
         let y1 = self
             .conv1
             .forward(pool, x_copy.as_deref().unwrap_or(&x), "y")?;
-        let (a1, bn1) = self.bn1.forward(pool, &y1, true, mode, "a")?;
+        let (a1, bn1) = self.bn1.forward_relu_for_conv(pool, &y1, mode, "a")?;
         let y1 = store(pool, y1, sp)?;
         let y2 = self.conv2.forward(pool, &a1, "y")?;
         let a1 = keep_bn_relu(pool, a1, sp, cheap)?;
-        let (a2, bn2) = self.bn2.forward(pool, &y2, true, mode, "a")?;
+        let (a2, bn2) = self.bn2.forward_relu_for_conv(pool, &y2, mode, "a")?;
         let y2 = store(pool, y2, sp)?;
         let y3 = self.conv3.forward(pool, &a2, "y")?;
         let a2 = keep_bn_relu(pool, a2, sp, cheap)?;

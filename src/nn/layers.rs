@@ -266,6 +266,36 @@ impl BatchNorm {
         mode: Mode,
         field: &'static str,
     ) -> Result<(Tensor, BnStats)> {
+        self.forward_as(pool, x, relu, mode, field, false)
+    }
+
+    /// BN+ReLU whose output feeds a convolution of the same precision:
+    /// [`BatchNorm::forward`] with `relu`, but under bf16 with the native
+    /// bf16 GEMM (and even `c`) the output is written in bf16 directly —
+    /// the form the convolution reads in place and the block keeps — with
+    /// the bits `store` would give the f32 output.
+    pub fn forward_relu_for_conv(
+        &mut self,
+        pool: &Pool,
+        x: &Tensor,
+        mode: Mode,
+        field: &'static str,
+    ) -> Result<(Tensor, BnStats)> {
+        let low = self.precision == Precision::BF16
+            && self.precision.gemm_math().native_bf16()
+            && self.c.is_multiple_of(2);
+        self.forward_as(pool, x, true, mode, field, low)
+    }
+
+    fn forward_as(
+        &mut self,
+        pool: &Pool,
+        x: &Tensor,
+        relu: bool,
+        mode: Mode,
+        field: &'static str,
+        bf16_out: bool,
+    ) -> Result<(Tensor, BnStats)> {
         let c = self.c;
         let rows = x.numel() / c;
         let tag = |f| Tag::new(&self.name, f);
@@ -303,8 +333,35 @@ impl BatchNorm {
             rstd,
             from_batch,
         };
-        let y = self.apply(pool, x, &stats, relu, tag(field))?;
+        let y = if bf16_out {
+            self.apply_bf16(pool, x, &stats, relu, tag(field))?
+        } else {
+            self.apply(pool, x, &stats, relu, tag(field))?
+        };
         Ok((y, stats))
+    }
+
+    /// [`BatchNorm::apply`] with the output stored in bf16 (values rounded
+    /// as a bf16 BN output is).
+    fn apply_bf16(
+        &self,
+        pool: &Pool,
+        x: &Tensor,
+        stats: &BnStats,
+        relu: bool,
+        tag: Tag,
+    ) -> Result<Tensor> {
+        let mut y = pool.empty(x.dims(), DType::BF16, Category::Activations, tag)?;
+        if pool.computes() {
+            let (mean, rstd) = (stats.mean.f32(), stats.rstd.f32());
+            let (gamma, beta) = (self.weight.value.f32(), self.bias.value.f32());
+            let (y, c) = (y.bf16_mut(), self.c);
+            timed(Family::BatchNorm, 0, || match x.dtype() {
+                DType::BF16 => bn::bn_forward_bf16(y, x.bf16(), mean, rstd, gamma, beta, c, relu),
+                _ => bn::bn_forward_bf16(y, x.f32(), mean, rstd, gamma, beta, c, relu),
+            });
+        }
+        Ok(y)
     }
 
     /// Normalises `x` with given statistics (and ReLU when `relu`): the
