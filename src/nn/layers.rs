@@ -7,7 +7,7 @@ use rand::rngs::ChaCha8Rng;
 
 use crate::error::Result;
 use crate::memory::{Category, Pool, Tag};
-use crate::nn::precision::{View, f32_view, rounded_weight};
+use crate::nn::precision::{View, f32_view, rounded_weight, store};
 use crate::nn::{BnPolicy, Mode, Param, Precision, normal, uniform};
 use crate::ops::conv2d::{ConvGeom, ConvInput};
 use crate::ops::{ReadF32, RoundChunk, batchnorm as bn, conv2d, linear};
@@ -281,10 +281,65 @@ impl BatchNorm {
         mode: Mode,
         field: &'static str,
     ) -> Result<(Tensor, BnStats)> {
-        let low = self.precision == Precision::BF16
-            && self.precision.gemm_math().native_bf16()
-            && self.c.is_multiple_of(2);
+        let low = self.relu_out_in_bf16();
         self.forward_as(pool, x, true, mode, field, low)
+    }
+
+    /// Whether a BN+ReLU feeding a convolution writes bf16
+    /// ([`BatchNorm::forward_relu_for_conv`]).
+    fn relu_out_in_bf16(&self) -> bool {
+        self.precision == Precision::BF16
+            && self.precision.gemm_math().native_bf16()
+            && self.c.is_multiple_of(2)
+    }
+
+    /// [`BatchNorm::forward`] without ReLU (`relu_for_conv` false) or
+    /// [`BatchNorm::forward_relu_for_conv`] (true) that consumes `x` and
+    /// returns it as the backward keeps it, `store(x, sp)`. Under bf16 with
+    /// an f32 `x` (a convolution's output) the normalising pass writes the
+    /// bf16 copy itself, instead of `store` reading `x` again.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_storing_input(
+        &mut self,
+        pool: &Pool,
+        x: Tensor,
+        relu_for_conv: bool,
+        mode: Mode,
+        field: &'static str,
+        sp: Precision,
+    ) -> Result<(Tensor, BnStats, Tensor)> {
+        if sp != Precision::BF16 || x.dtype() != DType::F32 {
+            let (y, stats) = if relu_for_conv {
+                self.forward_relu_for_conv(pool, &x, mode, field)?
+            } else {
+                self.forward(pool, &x, false, mode, field)?
+            };
+            return Ok((y, stats, store(pool, x, sp)?));
+        }
+        let bf16_out = relu_for_conv && self.relu_out_in_bf16();
+        let stats = self.stats(pool, &x, mode)?;
+        let tag = Tag::new(&self.name, field);
+        let mut y = if bf16_out {
+            pool.empty(x.dims(), DType::BF16, Category::Activations, tag)?
+        } else {
+            pool.empty_f32(x.dims(), Category::Activations, tag)?
+        };
+        let (x_tag, x_category) = x.meta();
+        let mut x_low = pool.empty(x.dims(), DType::BF16, x_category, x_tag)?;
+        if pool.computes() {
+            let (mean, rstd) = (stats.mean.f32(), stats.rstd.f32());
+            let (gamma, beta) = (self.weight.value.f32(), self.bias.value.f32());
+            let out = if bf16_out {
+                bn::BnOut::Bf16(y.bf16_mut())
+            } else {
+                bn::BnOut::F32(y.f32_mut(), self.precision.chunk_round())
+            };
+            let (xl, c) = (x_low.bf16_mut(), self.c);
+            timed(Family::BatchNorm, 0, || {
+                bn::bn_forward_keep_x(out, xl, x.f32(), mean, rstd, gamma, beta, c, relu_for_conv)
+            });
+        }
+        Ok((y, stats, x_low))
     }
 
     fn forward_as(
@@ -296,6 +351,19 @@ impl BatchNorm {
         field: &'static str,
         bf16_out: bool,
     ) -> Result<(Tensor, BnStats)> {
+        let stats = self.stats(pool, x, mode)?;
+        let tag = |f| Tag::new(&self.name, f);
+        let y = if bf16_out {
+            self.apply_bf16(pool, x, &stats, relu, tag(field))?
+        } else {
+            self.apply(pool, x, &stats, relu, tag(field))?
+        };
+        Ok((y, stats))
+    }
+
+    /// The statistics a forward normalises with (batch ones advance the
+    /// running statistics in `Train`).
+    fn stats(&mut self, pool: &Pool, x: &Tensor, mode: Mode) -> Result<BnStats> {
         let c = self.c;
         let rows = x.numel() / c;
         let tag = |f| Tag::new(&self.name, f);
@@ -328,17 +396,11 @@ impl BatchNorm {
             mean.f32_mut().copy_from_slice(self.running_mean.f32());
             bn::bn_rstd(rstd.f32_mut(), self.running_var.f32(), self.eps);
         }
-        let stats = BnStats {
+        Ok(BnStats {
             mean,
             rstd,
             from_batch,
-        };
-        let y = if bf16_out {
-            self.apply_bf16(pool, x, &stats, relu, tag(field))?
-        } else {
-            self.apply(pool, x, &stats, relu, tag(field))?
-        };
-        Ok((y, stats))
+        })
     }
 
     /// [`BatchNorm::apply`] with the output stored in bf16 (values rounded
