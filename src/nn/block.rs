@@ -100,8 +100,9 @@ impl Downsample {
         sp: Precision,
     ) -> Result<(Tensor, DownsampleSaved)> {
         let y = self.conv.forward(pool, x, "y")?;
-        let (out, bn) = self.bn.forward(pool, &y, false, mode, "out")?;
-        let y = store(pool, y, sp)?;
+        let (out, bn, y) = self
+            .bn
+            .forward_storing_input(pool, y, false, mode, "out", sp)?;
         Ok((out, DownsampleSaved { y, bn }))
     }
 
@@ -307,12 +308,14 @@ impl BasicBlock {
         let y1 = self
             .conv1
             .forward(pool, x_copy.as_deref().unwrap_or(&x), "y")?;
-        let (a1, bn1) = self.bn1.forward(pool, &y1, true, mode, "a")?;
-        let y1 = store(pool, y1, sp)?;
+        let (a1, bn1, y1) = self
+            .bn1
+            .forward_storing_input(pool, y1, true, mode, "a", sp)?;
         let y2 = self.conv2.forward(pool, &a1, "y")?;
         let a1 = keep_bn_relu(pool, a1, sp, self.recompute_bn_relu)?;
-        let (z, bn2) = self.bn2.forward(pool, &y2, false, mode, "out")?;
-        let y2 = store(pool, y2, sp)?;
+        let (z, bn2, y2) = self
+            .bn2
+            .forward_storing_input(pool, y2, false, mode, "out", sp)?;
         let (z, mask, down) = finish_block(
             pool,
             &self.name,
@@ -500,16 +503,19 @@ impl Bottleneck {
         let y1 = self
             .conv1
             .forward(pool, x_copy.as_deref().unwrap_or(&x), "y")?;
-        let (a1, bn1) = self.bn1.forward(pool, &y1, true, mode, "a")?;
-        let y1 = store(pool, y1, sp)?;
+        let (a1, bn1, y1) = self
+            .bn1
+            .forward_storing_input(pool, y1, true, mode, "a", sp)?;
         let y2 = self.conv2.forward(pool, &a1, "y")?;
         let a1 = keep_bn_relu(pool, a1, sp, cheap)?;
-        let (a2, bn2) = self.bn2.forward(pool, &y2, true, mode, "a")?;
-        let y2 = store(pool, y2, sp)?;
+        let (a2, bn2, y2) = self
+            .bn2
+            .forward_storing_input(pool, y2, true, mode, "a", sp)?;
         let y3 = self.conv3.forward(pool, &a2, "y")?;
         let a2 = keep_bn_relu(pool, a2, sp, cheap)?;
-        let (z, bn3) = self.bn3.forward(pool, &y3, false, mode, "out")?;
-        let y3 = store(pool, y3, sp)?;
+        let (z, bn3, y3) = self
+            .bn3
+            .forward_storing_input(pool, y3, false, mode, "out", sp)?;
         let (z, mask, down) = finish_block(
             pool,
             &self.name,

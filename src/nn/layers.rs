@@ -7,7 +7,7 @@ use rand::rngs::ChaCha8Rng;
 
 use crate::error::Result;
 use crate::memory::{Category, Pool, Tag};
-use crate::nn::precision::{View, f32_view, rounded_weight};
+use crate::nn::precision::{View, f32_view, rounded_weight, store};
 use crate::nn::{BnPolicy, Mode, Param, Precision, normal, uniform};
 use crate::ops::conv2d::{ConvGeom, ConvInput};
 use crate::ops::{ReadF32, RoundChunk, batchnorm as bn, conv2d, linear};
@@ -266,6 +266,104 @@ impl BatchNorm {
         mode: Mode,
         field: &'static str,
     ) -> Result<(Tensor, BnStats)> {
+        self.forward_as(pool, x, relu, mode, field, false)
+    }
+
+    /// BN+ReLU whose output feeds a convolution of the same precision:
+    /// [`BatchNorm::forward`] with `relu`, but under bf16 with the native
+    /// bf16 GEMM (and even `c`) the output is written in bf16 directly —
+    /// the form the convolution reads in place and the block keeps — with
+    /// the bits `store` would give the f32 output.
+    pub fn forward_relu_for_conv(
+        &mut self,
+        pool: &Pool,
+        x: &Tensor,
+        mode: Mode,
+        field: &'static str,
+    ) -> Result<(Tensor, BnStats)> {
+        let low = self.relu_out_in_bf16();
+        self.forward_as(pool, x, true, mode, field, low)
+    }
+
+    /// Whether a BN+ReLU feeding a convolution writes bf16
+    /// ([`BatchNorm::forward_relu_for_conv`]).
+    fn relu_out_in_bf16(&self) -> bool {
+        self.precision == Precision::BF16
+            && self.precision.gemm_math().native_bf16()
+            && self.c.is_multiple_of(2)
+    }
+
+    /// [`BatchNorm::forward`] without ReLU (`relu_for_conv` false) or
+    /// [`BatchNorm::forward_relu_for_conv`] (true) that consumes `x` and
+    /// returns it as the backward keeps it, `store(x, sp)`. Under bf16 with
+    /// an f32 `x` (a convolution's output) the normalising pass writes the
+    /// bf16 copy itself, instead of `store` reading `x` again.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_storing_input(
+        &mut self,
+        pool: &Pool,
+        x: Tensor,
+        relu_for_conv: bool,
+        mode: Mode,
+        field: &'static str,
+        sp: Precision,
+    ) -> Result<(Tensor, BnStats, Tensor)> {
+        if sp != Precision::BF16 || x.dtype() != DType::F32 {
+            let (y, stats) = if relu_for_conv {
+                self.forward_relu_for_conv(pool, &x, mode, field)?
+            } else {
+                self.forward(pool, &x, false, mode, field)?
+            };
+            return Ok((y, stats, store(pool, x, sp)?));
+        }
+        let bf16_out = relu_for_conv && self.relu_out_in_bf16();
+        let stats = self.stats(pool, &x, mode)?;
+        let tag = Tag::new(&self.name, field);
+        let mut y = if bf16_out {
+            pool.empty(x.dims(), DType::BF16, Category::Activations, tag)?
+        } else {
+            pool.empty_f32(x.dims(), Category::Activations, tag)?
+        };
+        let (x_tag, x_category) = x.meta();
+        let mut x_low = pool.empty(x.dims(), DType::BF16, x_category, x_tag)?;
+        if pool.computes() {
+            let (mean, rstd) = (stats.mean.f32(), stats.rstd.f32());
+            let (gamma, beta) = (self.weight.value.f32(), self.bias.value.f32());
+            let out = if bf16_out {
+                bn::BnOut::Bf16(y.bf16_mut())
+            } else {
+                bn::BnOut::F32(y.f32_mut(), self.precision.chunk_round())
+            };
+            let (xl, c) = (x_low.bf16_mut(), self.c);
+            timed(Family::BatchNorm, 0, || {
+                bn::bn_forward_keep_x(out, xl, x.f32(), mean, rstd, gamma, beta, c, relu_for_conv)
+            });
+        }
+        Ok((y, stats, x_low))
+    }
+
+    fn forward_as(
+        &mut self,
+        pool: &Pool,
+        x: &Tensor,
+        relu: bool,
+        mode: Mode,
+        field: &'static str,
+        bf16_out: bool,
+    ) -> Result<(Tensor, BnStats)> {
+        let stats = self.stats(pool, x, mode)?;
+        let tag = |f| Tag::new(&self.name, f);
+        let y = if bf16_out {
+            self.apply_bf16(pool, x, &stats, relu, tag(field))?
+        } else {
+            self.apply(pool, x, &stats, relu, tag(field))?
+        };
+        Ok((y, stats))
+    }
+
+    /// The statistics a forward normalises with (batch ones advance the
+    /// running statistics in `Train`).
+    fn stats(&mut self, pool: &Pool, x: &Tensor, mode: Mode) -> Result<BnStats> {
         let c = self.c;
         let rows = x.numel() / c;
         let tag = |f| Tag::new(&self.name, f);
@@ -298,13 +396,34 @@ impl BatchNorm {
             mean.f32_mut().copy_from_slice(self.running_mean.f32());
             bn::bn_rstd(rstd.f32_mut(), self.running_var.f32(), self.eps);
         }
-        let stats = BnStats {
+        Ok(BnStats {
             mean,
             rstd,
             from_batch,
-        };
-        let y = self.apply(pool, x, &stats, relu, tag(field))?;
-        Ok((y, stats))
+        })
+    }
+
+    /// [`BatchNorm::apply`] with the output stored in bf16 (values rounded
+    /// as a bf16 BN output is).
+    fn apply_bf16(
+        &self,
+        pool: &Pool,
+        x: &Tensor,
+        stats: &BnStats,
+        relu: bool,
+        tag: Tag,
+    ) -> Result<Tensor> {
+        let mut y = pool.empty(x.dims(), DType::BF16, Category::Activations, tag)?;
+        if pool.computes() {
+            let (mean, rstd) = (stats.mean.f32(), stats.rstd.f32());
+            let (gamma, beta) = (self.weight.value.f32(), self.bias.value.f32());
+            let (y, c) = (y.bf16_mut(), self.c);
+            timed(Family::BatchNorm, 0, || match x.dtype() {
+                DType::BF16 => bn::bn_forward_bf16(y, x.bf16(), mean, rstd, gamma, beta, c, relu),
+                _ => bn::bn_forward_bf16(y, x.f32(), mean, rstd, gamma, beta, c, relu),
+            });
+        }
+        Ok(y)
     }
 
     /// Normalises `x` with given statistics (and ReLU when `relu`): the

@@ -9,6 +9,7 @@
 
 use rayon::prelude::*;
 
+use crate::device::cpu::f32_to_bf16;
 use crate::ops::{REDUCE_CHUNK_ROWS, ReadF32, RoundChunk};
 
 /// Rows summed in f32 before being added to the f64 chunk totals: short
@@ -156,6 +157,118 @@ pub fn bn_forward<X: ReadF32>(
                 round(yc);
             }
         });
+}
+
+/// [`bn_forward`] with bf16 output `y` (rows, c): each row is normalised in
+/// f32 and rounded to bf16 (nearest even) as it is stored, the bits
+/// [`bn_forward`] with bf16 rounding gives, converted. For a BN+ReLU whose
+/// output is kept in bf16 and read in place by the next convolution: one
+/// pass writing two bytes per element instead of an f32 output and a
+/// second pass converting it.
+#[allow(clippy::too_many_arguments)]
+pub fn bn_forward_bf16<X: ReadF32>(
+    y: &mut [half::bf16],
+    x: &[X],
+    mean: &[f32],
+    rstd: &[f32],
+    gamma: &[f32],
+    beta: &[f32],
+    c: usize,
+    relu: bool,
+) {
+    let scale: Vec<f32> = gamma.iter().zip(rstd).map(|(g, r)| g * r).collect();
+    let shift: Vec<f32> = (0..c).map(|ch| beta[ch] - mean[ch] * scale[ch]).collect();
+    y.par_chunks_mut(REDUCE_CHUNK_ROWS * c)
+        .zip(x.par_chunks(REDUCE_CHUNK_ROWS * c))
+        .for_each(|(yc, xc)| {
+            // One f32 row (c values) at a time, converted while in cache.
+            let mut row = vec![0.0f32; c];
+            for (yr, xr) in yc.chunks_exact_mut(c).zip(xc.chunks_exact(c)) {
+                let lanes = row.iter_mut().zip(xr).zip(scale.iter().zip(&shift));
+                if relu {
+                    for ((o, &v), (&a, &b)) in lanes {
+                        *o = (v.f32() * a + b).max(0.0);
+                    }
+                } else {
+                    for ((o, &v), (&a, &b)) in lanes {
+                        *o = v.f32() * a + b;
+                    }
+                }
+                f32_to_bf16(bytemuck::cast_slice_mut(yr), &row);
+            }
+        });
+}
+
+/// Where [`bn_forward_keep_x`] writes the normalised output.
+pub enum BnOut<'a> {
+    /// f32, each chunk finished with the rounding (as [`bn_forward`]).
+    F32(&'a mut [f32], RoundChunk),
+    /// bf16 (as [`bn_forward_bf16`]).
+    Bf16(&'a mut [half::bf16]),
+}
+
+/// [`bn_forward`] or [`bn_forward_bf16`] of an f32 `x` (bf16-representable
+/// values: a bf16 convolution's output) that also writes `x` in bf16 to
+/// `x_low` (rows, c), exactly: the copy a backward keeps, made while each
+/// chunk of `x` is in cache for the normalisation instead of in a second
+/// pass over `x`. Same bits as the two kernels and a separate conversion.
+#[allow(clippy::too_many_arguments)]
+pub fn bn_forward_keep_x(
+    y: BnOut<'_>,
+    x_low: &mut [half::bf16],
+    x: &[f32],
+    mean: &[f32],
+    rstd: &[f32],
+    gamma: &[f32],
+    beta: &[f32],
+    c: usize,
+    relu: bool,
+) {
+    assert_eq!(x_low.len(), x.len(), "bn_forward_keep_x: x_low length");
+    let scale: Vec<f32> = gamma.iter().zip(rstd).map(|(g, r)| g * r).collect();
+    let shift: Vec<f32> = (0..c).map(|ch| beta[ch] - mean[ch] * scale[ch]).collect();
+    // The same element loops as bn_forward's (so the same bits).
+    let norm_row = |o: &mut [f32], xr: &[f32]| {
+        let lanes = o.iter_mut().zip(xr).zip(scale.iter().zip(&shift));
+        if relu {
+            for ((o, &v), (&a, &b)) in lanes {
+                *o = (v * a + b).max(0.0);
+            }
+        } else {
+            for ((o, &v), (&a, &b)) in lanes {
+                *o = v * a + b;
+            }
+        }
+    };
+    let chunk = REDUCE_CHUNK_ROWS * c;
+    let keep = |lc: &mut [half::bf16], xc: &[f32]| f32_to_bf16(bytemuck::cast_slice_mut(lc), xc);
+    match y {
+        BnOut::F32(y, round) => y
+            .par_chunks_mut(chunk)
+            .zip(x_low.par_chunks_mut(chunk))
+            .zip(x.par_chunks(chunk))
+            .for_each(|((yc, lc), xc)| {
+                for (yr, xr) in yc.chunks_exact_mut(c).zip(xc.chunks_exact(c)) {
+                    norm_row(yr, xr);
+                }
+                if let Some(round) = round {
+                    round(yc);
+                }
+                keep(lc, xc);
+            }),
+        BnOut::Bf16(y) => y
+            .par_chunks_mut(chunk)
+            .zip(x_low.par_chunks_mut(chunk))
+            .zip(x.par_chunks(chunk))
+            .for_each(|((yc, lc), xc)| {
+                let mut row = vec![0.0f32; c];
+                for (yr, xr) in yc.chunks_exact_mut(c).zip(xc.chunks_exact(c)) {
+                    norm_row(&mut row, xr);
+                    f32_to_bf16(bytemuck::cast_slice_mut(yr), &row);
+                }
+                keep(lc, xc);
+            }),
+    }
 }
 
 /// Gradients of [`bn_forward`]. `dx` is overwritten (and finished with
@@ -453,6 +566,31 @@ mod tests {
         bn_forward(&mut y, &x, &mean, &rstd, &gamma, &beta, c, true, round);
         bn_forward(&mut y16, &x16, &mean, &rstd, &gamma, &beta, c, true, round);
         assert_eq!(bits(&y16), bits(&y), "forward");
+        // The bf16-output forward stores the bits of the rounded f32 one.
+        for relu in [true, false] {
+            let mut yf = vec![0.0; rows * c];
+            bn_forward(&mut yf, &x16, &mean, &rstd, &gamma, &beta, c, relu, round);
+            let mut yb = vec![half::bf16::ZERO; rows * c];
+            bn_forward_bf16(&mut yb, &x16, &mean, &rstd, &gamma, &beta, c, relu);
+            assert_eq!(bits(&widen(&yb)), bits(&yf), "bf16 forward, relu {relu}");
+            // Keeping x on the way: the same outputs, and x exactly.
+            let mut xl = vec![half::bf16::ZERO; rows * c];
+            let mut yk = vec![0.0; rows * c];
+            let out = BnOut::F32(&mut yk, round);
+            bn_forward_keep_x(out, &mut xl, &x, &mean, &rstd, &gamma, &beta, c, relu);
+            assert_eq!(bits(&yk), bits(&yf), "keep_x f32 out, relu {relu}");
+            assert_eq!(xl, x16, "keep_x copy");
+            let mut xl = vec![half::bf16::ZERO; rows * c];
+            let mut ykb = vec![half::bf16::ZERO; rows * c];
+            let out = BnOut::Bf16(&mut ykb);
+            bn_forward_keep_x(out, &mut xl, &x, &mean, &rstd, &gamma, &beta, c, relu);
+            assert_eq!(
+                bits(&widen(&ykb)),
+                bits(&yf),
+                "keep_x bf16 out, relu {relu}"
+            );
+            assert_eq!(xl, x16, "keep_x copy");
+        }
         let o16 = to_bf16(&y);
         let (mut dx, mut dg, mut db) = (vec![0.0; rows * c], vec![0.5; c], vec![0.5; c]);
         let (dyr, yr) = (&dy[..], &y[..]);

@@ -17,10 +17,14 @@
 //!   split rows only, so results do not depend on the number of threads.
 //!
 //! Packing buffers (a copy of `b`, and a block of `a` per task) are ordinary
-//! heap memory, like the `gemm` crate's own packing buffers.
+//! heap memory, like the `gemm` crate's own packing buffers. Copies of `b`
+//! are large (a weight gradient's `dy` packs to megabytes), so a few freed
+//! ones are kept for the next call ([`take_words`]): a fresh allocation of
+//! that size comes from `mmap` and pays a page fault per 4 KiB on first
+//! touch, which cost more than the packing itself.
 
 use std::arch::x86_64::*;
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 use rayon::prelude::*;
 
@@ -64,6 +68,49 @@ fn pair(lo: f32, hi: f32) -> u32 {
     bf16_bits(lo) | (bf16_bits(hi) << 16)
 }
 
+/// Freed copies of `b` kept for reuse ([`take_words`], [`return_words`]).
+static SPARE_WORDS: Mutex<Vec<Vec<u32>>> = Mutex::new(Vec::new());
+/// At most this many spare buffers are kept: a convolution backward holds
+/// two packed operands at once, and the split pointwise weight gradient two
+/// more.
+const SPARE_MAX: usize = 4;
+/// Spare buffers larger than this (in words, 32 MiB) go back to the system.
+const SPARE_MAX_WORDS: usize = 8 << 20;
+
+/// A buffer of `len` words for a packed `b`, reused when one is spare. Its
+/// contents are stale: the packer writes every word.
+fn take_words(len: usize) -> Vec<u32> {
+    let reused = {
+        let mut spare = SPARE_WORDS.lock().unwrap_or_else(|e| e.into_inner());
+        // The smallest spare that holds `len` words, else the largest.
+        let fits = (0..spare.len())
+            .filter(|&i| spare[i].capacity() >= len)
+            .min_by_key(|&i| spare[i].capacity());
+        let pick = fits.or_else(|| (0..spare.len()).max_by_key(|&i| spare[i].capacity()));
+        pick.map(|i| spare.swap_remove(i))
+    };
+    let mut words = reused.unwrap_or_default();
+    words.resize(len, 0);
+    words
+}
+
+/// Keeps a packed `b`'s buffer for a later [`take_words`] (or frees it when
+/// enough are kept or it is very large).
+pub(super) fn return_words(words: Vec<u32>) {
+    if words.capacity() == 0 || words.capacity() > SPARE_MAX_WORDS {
+        return;
+    }
+    let mut spare = SPARE_WORDS.lock().unwrap_or_else(|e| e.into_inner());
+    if spare.len() < SPARE_MAX {
+        spare.push(words);
+    } else if let Some(i) = (0..spare.len()).min_by_key(|&i| spare[i].capacity()) {
+        // Keep the larger buffers: they serve every smaller request.
+        if spare[i].capacity() < words.capacity() {
+            spare[i] = words;
+        }
+    }
+}
+
 /// `b` (k, n) packed once for any number of products with it
 /// ([`Rhs::Packed`]): a convolution's weight is the right operand of every
 /// im2col tile's GEMM, and packing it per tile cost more than the tiles'
@@ -80,23 +127,41 @@ pub fn pack_rhs(b: MatRef<'_>) -> PackedRhs {
     }
 }
 
-/// Packs all of `b` (k, n): for each NR-column panel, for each k-pair, NR
-/// words. Columns past `n` and the odd k tail are zero. The inner loops run
-/// along whichever direction of `b` is contiguous, so they vectorise.
+/// Packs all of `b` (k, n) into a (reused) buffer ([`pack_b_into`]).
 ///
 /// # Safety
 /// The CPU must have AVX-512F ([`available`]).
 #[target_feature(enable = "avx512f")]
 unsafe fn pack_b(b: MatRef<'_>) -> Vec<u32> {
+    let mut out = take_words(b.rows.div_ceil(2) * b.cols.div_ceil(NR) * NR);
+    // SAFETY: as this function's.
+    unsafe { pack_b_into(&mut out, b) };
+    out
+}
+
+/// Packs all of `b` (k, n) into `out` (⌈k/2⌉·⌈n/NR⌉·NR words): for each
+/// NR-column panel, for each k-pair, NR words. Columns past `n` and the odd
+/// k tail are zero. Every word is written, so `out`'s previous contents do
+/// not matter. The inner loops run along whichever direction of `b` is
+/// contiguous, so they vectorise.
+///
+/// # Safety
+/// The CPU must have AVX-512F ([`available`]).
+#[target_feature(enable = "avx512f")]
+unsafe fn pack_b_into(out: &mut [u32], b: MatRef<'_>) {
     let (k, n) = (b.rows, b.cols);
     let (pairs, panels) = (k.div_ceil(2), n.div_ceil(NR));
-    let mut out = vec![0u32; panels * pairs * NR];
+    assert_eq!(out.len(), panels * pairs * NR, "pack_b: buffer length");
     let d = b.data;
     out.par_chunks_mut(pairs * NR)
         .enumerate()
         .for_each(|(panel, words)| {
             let j0 = panel * NR;
             let nw = NR.min(n - j0);
+            if nw < NR {
+                // The ragged last panel: its columns past `n` stay zero.
+                words.fill(0);
+            }
             if b.cs == 1 {
                 // Row-major: pair two rows, column by column.
                 for (kp, row) in words.chunks_exact_mut(NR).enumerate() {
@@ -130,7 +195,6 @@ unsafe fn pack_b(b: MatRef<'_>) -> Vec<u32> {
                 }
             }
         });
-    out
 }
 
 /// How a packed block of `a` is laid out: word (row ii, k-pair kp) of a
@@ -299,9 +363,10 @@ unsafe fn pack_a_bf16_transposed(
 
 /// `c (MR×NR, row stride ldc) += Σ_kp a[·, kp] ⊗ bp[kp]` over `kc2`
 /// k-pairs, with row ii's word for k-pair kp at `ap[ii·l.row + kp·l.pair]`.
-/// The tile of `c` is loaded into the accumulators and stored back once,
-/// rounded to bf16 when `round` (the last k-block of an output the caller
-/// wants in bf16).
+/// The tile of `c` is loaded into the accumulators (when `load`; else they
+/// start at zero, as from a zeroed `c`, which then need not be zeroed) and
+/// stored back once, rounded to bf16 when `round` (the last k-block of an
+/// output the caller wants in bf16).
 ///
 /// # Safety
 /// The CPU must have AVX-512F and AVX512-BF16; `ap` must hold every word
@@ -316,15 +381,18 @@ unsafe fn micro_kernel(
     bp: &[u32],
     c: *mut f32,
     ldc: usize,
+    load: bool,
     round: bool,
 ) {
     debug_assert!(ap.len() > (MR - 1) * l.row + (kc2 - 1) * l.pair && bp.len() >= kc2 * NR);
     let mut acc = [[_mm512_setzero_ps(); 2]; MR];
-    for (ii, ci) in acc.iter_mut().enumerate() {
-        // SAFETY: the tile lies inside `c` by the contract above.
-        unsafe {
-            ci[0] = _mm512_loadu_ps(c.add(ii * ldc));
-            ci[1] = _mm512_loadu_ps(c.add(ii * ldc + 16));
+    if load {
+        for (ii, ci) in acc.iter_mut().enumerate() {
+            // SAFETY: the tile lies inside `c` by the contract above.
+            unsafe {
+                ci[0] = _mm512_loadu_ps(c.add(ii * ldc));
+                ci[1] = _mm512_loadu_ps(c.add(ii * ldc + 16));
+            }
         }
     }
     let a = ap.as_ptr();
@@ -383,13 +451,18 @@ pub fn gemm_bf16_lhs(dst: &mut [f32], a: Lhs<'_>, b: Rhs<'_>, acc: Accumulate, r
     if m == 0 || n == 0 {
         return;
     }
-    if acc == Accumulate::No {
-        dst[..m * n].fill(0.0);
-    }
     if k == 0 {
+        if acc == Accumulate::No {
+            dst[..m * n].fill(0.0);
+        }
         return;
     }
-    let packed_here;
+    // Without accumulation the first k-block stores instead of adding, so
+    // `dst` is never zeroed first (a serial pass over the whole output).
+    // The same bits: a sum never comes out as -0 from +0 accumulators, and
+    // +0 + t = t for every other t.
+    let overwrite = acc == Accumulate::No;
+    let packed_here: PackedRhs;
     let bp: &[u32] = match b {
         Rhs::F32(b) => {
             packed_here = pack_rhs(b);
@@ -411,6 +484,7 @@ pub fn gemm_bf16_lhs(dst: &mut [f32], a: Lhs<'_>, b: Rhs<'_>, acc: Accumulate, r
                 let kc = KC.min(k - p0);
                 let kc2 = kc.div_ceil(2);
                 let round = round_output && p0 + kc == k;
+                let load = !(overwrite && p0 == 0);
                 let packed = match a {
                     // SAFETY: `available()` was asserted.
                     Lhs::F32(a) => Some(unsafe { pack_a(&mut ap, a, i0, mc, p0, kc) }),
@@ -473,11 +547,10 @@ pub fn gemm_bf16_lhs(dst: &mut [f32], a: Lhs<'_>, b: Rhs<'_>, acc: Accumulate, r
                             // micro-panel holds MR rows of kc2 words at its
                             // layout, a B panel kc2·NR words, and the full
                             // MR×NR tile lies inside `drows`.
-                            unsafe { micro_kernel(kc2, apanel, layout, bpanel, c, n, round) };
+                            unsafe { micro_kernel(kc2, apanel, layout, bpanel, c, n, load, round) };
                         } else {
-                            // A ragged edge: run on a zeroed full tile, then
-                            // add its valid part.
-                            tile.fill(0.0);
+                            // A ragged edge: run on a full tile from zero,
+                            // then add (or store) its valid part.
                             // SAFETY: as above; `tile` is MR×NR.
                             unsafe {
                                 micro_kernel(
@@ -488,12 +561,13 @@ pub fn gemm_bf16_lhs(dst: &mut [f32], a: Lhs<'_>, b: Rhs<'_>, acc: Accumulate, r
                                     tile.as_mut_ptr(),
                                     NR,
                                     false,
+                                    false,
                                 )
                             };
                             for (ii, trow) in tile.chunks_exact(NR).take(rows).enumerate() {
                                 let drow = &mut drows[(r0 + ii) * n + j0..][..nw];
                                 for (d, t) in drow.iter_mut().zip(trow) {
-                                    *d += t;
+                                    *d = if load { *d + t } else { *t };
                                     if round {
                                         *d = bf16_bits_to_f32(f32_to_bf16_bits(*d));
                                     }
@@ -613,6 +687,82 @@ mod tests {
                 );
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&got), bits(&want), "{m}x{k}x{n} transposed {tb}");
+            }
+        }
+    }
+
+    #[test]
+    fn packing_writes_every_word_of_a_reused_buffer() {
+        if !available() {
+            eprintln!("skipped: this CPU has no AVX512-BF16");
+            return;
+        }
+        // Ragged n (a part-filled last panel) and odd k (a zero tail), in
+        // each of the packer's three stride cases.
+        let (k, n) = (37, 45);
+        let b: Vec<f32> = (0..k * n)
+            .map(|i| ((i * 13 % 71) as f32 - 35.0) / 3.0)
+            .collect();
+        let rowm = MatRef::row_major(&b, k, n);
+        let colm = MatRef::row_major(&b, n, k).t();
+        let strided = MatRef {
+            data: &b,
+            rows: k,
+            cols: n / 2,
+            rs: n,
+            cs: 2,
+        };
+        for bv in [rowm, colm, strided] {
+            let len = bv.rows.div_ceil(2) * bv.cols.div_ceil(NR) * NR;
+            let mut fresh = vec![0u32; len];
+            let mut stale = vec![u32::MAX; len];
+            // SAFETY: `available()` was checked.
+            unsafe {
+                pack_b_into(&mut fresh, bv);
+                pack_b_into(&mut stale, bv);
+            }
+            assert_eq!(
+                fresh, stale,
+                "{}x{} rs {} cs {}",
+                bv.rows, bv.cols, bv.rs, bv.cs
+            );
+        }
+        // Through the spare buffers: a dirty one returned, then reused.
+        return_words(vec![u32::MAX; 4 * k * n]);
+        let got = pack_rhs(rowm);
+        let mut want = vec![0u32; got.words.len()];
+        // SAFETY: as above.
+        unsafe { pack_b_into(&mut want, rowm) };
+        assert_eq!(got.words, want);
+    }
+
+    #[test]
+    fn overwriting_gives_the_bits_of_accumulating_into_zeros() {
+        if !available() {
+            eprintln!("skipped: this CPU has no AVX512-BF16");
+            return;
+        }
+        // Ragged edges and k over several blocks; sums that cancel to zero
+        // (the -0 question) from the repeating values.
+        for &(m, k, n) in &[(9, 3, 33), (37, 515, 23), (64, 256, 64)] {
+            let a: Vec<f32> = (0..m * k).map(|i| ((i % 5) as f32 - 2.0) / 4.0).collect();
+            let b: Vec<f32> = (0..k * n)
+                .map(|i| ((i * 7 % 9) as f32 - 4.0) / 8.0)
+                .collect();
+            let (av, bv) = (MatRef::row_major(&a, m, k), MatRef::row_major(&b, k, n));
+            for round in [false, true] {
+                let mut want = vec![0.0f32; m * n];
+                gemm_bf16_lhs(
+                    &mut want,
+                    Lhs::F32(av),
+                    Rhs::F32(bv),
+                    Accumulate::Yes,
+                    round,
+                );
+                let mut got = vec![f32::NAN; m * n];
+                gemm_bf16_lhs(&mut got, Lhs::F32(av), Rhs::F32(bv), Accumulate::No, round);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{m}x{k}x{n} round {round}");
             }
         }
     }

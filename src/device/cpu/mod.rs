@@ -52,12 +52,20 @@ impl Rhs<'_> {
 
 /// A (k, n) right operand in the bf16 GEMM's packed layout (NR-column
 /// panels of k-pair words), from [`pack_rhs`]. Ordinary heap memory, like
-/// the GEMM's per-call packing buffers.
+/// the GEMM's per-call packing buffers; a dropped one's buffer is kept for
+/// the next packing.
 pub struct PackedRhs {
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     words: Vec<u32>,
     k: usize,
     n: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Drop for PackedRhs {
+    fn drop(&mut self) {
+        bf16_gemm::return_words(std::mem::take(&mut self.words));
+    }
 }
 
 /// The left operand of the bf16 GEMM ([`gemm_bf16_lhs`]).
