@@ -364,12 +364,16 @@ fn bench_strategies_tables_every_strategy_with_its_prediction() {
         "1",
         "--warmup",
         "1",
+        "--rounds",
+        "2",
         "--csv",
         csv.to_str().unwrap(),
         "--pytorch-results",
         baseline.to_str().unwrap(),
     ]);
     assert_eq!(code, 0, "stderr:\n{err}");
+    assert!(out.contains("1 timed step(s) each, 2 round(s)"), "{out}");
+    assert!(err.contains("running none (round 2 of 2)"), "{err}");
     let (ours, theirs) = out.split_once("\nPyTorch 2.15.0").expect("PyTorch rows");
     // PyTorch's rows: its own ratios against its plain run.
     assert!(

@@ -172,6 +172,11 @@ struct StrategiesArgs {
     steps: usize,
     #[arg(long, default_value_t = 1)]
     warmup: usize,
+    /// Run the whole list of strategies this many times, one row after the
+    /// other in each round, and report each row's median round: host noise
+    /// then falls on every row alike instead of on whichever ran during it.
+    #[arg(long, default_value_t = 1)]
+    rounds: usize,
     /// Also write the table as CSV here (with the PyTorch rows, if any).
     #[arg(long)]
     csv: Option<PathBuf>,
@@ -832,48 +837,72 @@ fn bench_strategies(a: StrategiesArgs) -> Result<()> {
         });
     }
     println!(
-        "{} (base width {}), batch {} at {}x{}, {} threads, {} timed step(s) each",
+        "{} (base width {}), batch {} at {}x{}, {} threads, {} timed step(s) each, {} round(s)",
         a.model.model,
         a.model.base_width,
         a.batch_size,
         a.image_size,
         a.image_size,
         rayon::current_num_threads(),
-        a.steps
+        a.steps,
+        a.rounds
     );
-    let mut results: Vec<(String, StepResult)> = Vec::new();
-    for r in &rows {
-        let budget = match (r.budget_fraction, results.first()) {
-            (Some(f), Some((_, none))) => Some(format!(
-                "{}",
-                (none.measured.peak_total as f64 * f) as usize
-            )),
-            _ => None,
-        };
-        let step = StepArgs {
-            model: a.model.clone(),
-            image_size: a.image_size,
-            batch_size: a.batch_size,
-            steps: a.steps,
-            warmup: a.warmup,
-            memory_budget: budget,
-            checkpoint: r.checkpoint.clone(),
-            time_model: a.time_model.clone(),
-            micro_batch: r.micro_batch,
-            precision: PrecisionArgs {
-                precision: r.precision.to_string(),
-                recompute_bn_relu: r.recompute_bn_relu,
-            },
-            profile: false,
-        };
-        eprintln!("running {} ...", r.name);
-        match measure_steps(&step, false) {
-            Ok(m) => results.push((r.name.clone(), m)),
-            // A budget below the smallest plan is a result too, not a failure.
-            Err(e) if r.budget_fraction.is_some() => eprintln!("{}: {e:#}", r.name),
-            Err(e) => return Err(e),
+    if a.rounds == 0 {
+        bail!("--rounds must be at least 1");
+    }
+    // Each row's results over the rounds; a row whose budget is below the
+    // smallest plan in the first round is left out of the later ones.
+    let mut runs: Vec<(usize, Vec<StepResult>)> = Vec::new();
+    let mut none_peak = None;
+    for round in 0..a.rounds {
+        for (i, r) in rows.iter().enumerate() {
+            if round > 0 && !runs.iter().any(|(j, _)| *j == i) {
+                continue;
+            }
+            let budget = match (r.budget_fraction, none_peak) {
+                (Some(f), Some(peak)) => Some(format!("{}", (peak as f64 * f) as usize)),
+                _ => None,
+            };
+            let step = StepArgs {
+                model: a.model.clone(),
+                image_size: a.image_size,
+                batch_size: a.batch_size,
+                steps: a.steps,
+                warmup: a.warmup,
+                memory_budget: budget,
+                checkpoint: r.checkpoint.clone(),
+                time_model: a.time_model.clone(),
+                micro_batch: r.micro_batch,
+                precision: PrecisionArgs {
+                    precision: r.precision.to_string(),
+                    recompute_bn_relu: r.recompute_bn_relu,
+                },
+                profile: false,
+            };
+            eprintln!(
+                "running {} (round {} of {}) ...",
+                r.name,
+                round + 1,
+                a.rounds
+            );
+            match measure_steps(&step, false) {
+                Ok(m) => {
+                    none_peak.get_or_insert(m.measured.peak_total);
+                    match runs.iter_mut().find(|(j, _)| *j == i) {
+                        Some((_, v)) => v.push(m),
+                        None => runs.push((i, vec![m])),
+                    }
+                }
+                // A budget below the smallest plan is a result too, not a failure.
+                Err(e) if r.budget_fraction.is_some() => eprintln!("{}: {e:#}", r.name),
+                Err(e) => return Err(e),
+            }
         }
     }
+    let results: Vec<(String, StepResult)> = runs
+        .into_iter()
+        .map(|(i, v)| (rows[i].name.clone(), median_round(&rows[i].name, v)))
+        .collect();
     let (base_peak, base_time) = (
         results[0].1.measured.peak_total as f64,
         results[0].1.median_seconds,
@@ -923,6 +952,21 @@ fn bench_strategies(a: StrategiesArgs) -> Result<()> {
         println!("wrote {}", path.display());
     }
     Ok(())
+}
+
+/// The round with the median time (its plan, peak and time belong
+/// together). Measured stage times can move `auto`'s plan between rounds:
+/// that is said, not hidden.
+fn median_round(name: &str, mut v: Vec<StepResult>) -> StepResult {
+    let plans: std::collections::BTreeSet<&str> = v.iter().map(|r| r.plan.as_str()).collect();
+    if plans.len() > 1 {
+        println!(
+            "{name}: the plan differed between rounds ({}); the median round's is reported",
+            plans.into_iter().collect::<Vec<_>>().join(" | ")
+        );
+    }
+    v.sort_by(|x, y| x.median_seconds.total_cmp(&y.median_seconds));
+    v.swap_remove(v.len() / 2)
 }
 
 /// Prints the PyTorch baseline's rows for `a`'s configuration, when its
