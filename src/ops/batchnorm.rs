@@ -115,6 +115,37 @@ pub fn bn_rstd(rstd: &mut [f32], var: &[f32], eps: f32) {
     }
 }
 
+/// BN's per-channel affine folded into one multiply-add: y = x·scale + shift.
+fn fold_affine(
+    mean: &[f32],
+    rstd: &[f32],
+    gamma: &[f32],
+    beta: &[f32],
+    c: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    let scale: Vec<f32> = gamma.iter().zip(rstd).map(|(g, r)| g * r).collect();
+    let shift: Vec<f32> = (0..c).map(|ch| beta[ch] - mean[ch] * scale[ch]).collect();
+    (scale, shift)
+}
+
+/// One row of the normalisation (and the fused ReLU). Every BN forward
+/// kernel uses this loop, so they give the same bits. The branch on `relu`
+/// sits outside the element loop so each loop is a plain vectorised
+/// multiply-add (and max).
+#[inline(always)]
+fn normalise_row<X: ReadF32>(o: &mut [f32], xr: &[X], scale: &[f32], shift: &[f32], relu: bool) {
+    let lanes = o.iter_mut().zip(xr).zip(scale.iter().zip(shift));
+    if relu {
+        for ((o, &v), (&a, &b)) in lanes {
+            *o = (v.f32() * a + b).max(0.0);
+        }
+    } else {
+        for ((o, &v), (&a, &b)) in lanes {
+            *o = v.f32() * a + b;
+        }
+    }
+}
+
 /// y = gamma·(x - mean)·rstd + beta, then ReLU when `relu`, then `round`
 /// per chunk. Works for every mode: pass batch or running statistics. `x`
 /// is read as f32 (it may be a stored bf16 activation).
@@ -130,23 +161,10 @@ pub fn bn_forward<X: ReadF32>(
     relu: bool,
     round: RoundChunk,
 ) {
-    // Fold into one multiply-add per element.
-    let scale: Vec<f32> = gamma.iter().zip(rstd).map(|(g, r)| g * r).collect();
-    let shift: Vec<f32> = (0..c).map(|ch| beta[ch] - mean[ch] * scale[ch]).collect();
-    // The branch on `relu` sits outside the element loop so each loop is a
-    // plain vectorised multiply-add (and max).
+    let (scale, shift) = fold_affine(mean, rstd, gamma, beta, c);
     let rows_of = |yc: &mut [f32], xc: &[X]| {
         for (yr, xr) in yc.chunks_exact_mut(c).zip(xc.chunks_exact(c)) {
-            let lanes = yr.iter_mut().zip(xr).zip(scale.iter().zip(&shift));
-            if relu {
-                for ((o, &v), (&a, &b)) in lanes {
-                    *o = (v.f32() * a + b).max(0.0);
-                }
-            } else {
-                for ((o, &v), (&a, &b)) in lanes {
-                    *o = v.f32() * a + b;
-                }
-            }
+            normalise_row(yr, xr, &scale, &shift, relu);
         }
     };
     y.par_chunks_mut(REDUCE_CHUNK_ROWS * c)
@@ -176,24 +194,14 @@ pub fn bn_forward_bf16<X: ReadF32>(
     c: usize,
     relu: bool,
 ) {
-    let scale: Vec<f32> = gamma.iter().zip(rstd).map(|(g, r)| g * r).collect();
-    let shift: Vec<f32> = (0..c).map(|ch| beta[ch] - mean[ch] * scale[ch]).collect();
+    let (scale, shift) = fold_affine(mean, rstd, gamma, beta, c);
     y.par_chunks_mut(REDUCE_CHUNK_ROWS * c)
         .zip(x.par_chunks(REDUCE_CHUNK_ROWS * c))
         .for_each(|(yc, xc)| {
             // One f32 row (c values) at a time, converted while in cache.
             let mut row = vec![0.0f32; c];
             for (yr, xr) in yc.chunks_exact_mut(c).zip(xc.chunks_exact(c)) {
-                let lanes = row.iter_mut().zip(xr).zip(scale.iter().zip(&shift));
-                if relu {
-                    for ((o, &v), (&a, &b)) in lanes {
-                        *o = (v.f32() * a + b).max(0.0);
-                    }
-                } else {
-                    for ((o, &v), (&a, &b)) in lanes {
-                        *o = v.f32() * a + b;
-                    }
-                }
+                normalise_row(&mut row, xr, &scale, &shift, relu);
                 f32_to_bf16(bytemuck::cast_slice_mut(yr), &row);
             }
         });
@@ -225,21 +233,8 @@ pub fn bn_forward_keep_x(
     relu: bool,
 ) {
     assert_eq!(x_low.len(), x.len(), "bn_forward_keep_x: x_low length");
-    let scale: Vec<f32> = gamma.iter().zip(rstd).map(|(g, r)| g * r).collect();
-    let shift: Vec<f32> = (0..c).map(|ch| beta[ch] - mean[ch] * scale[ch]).collect();
-    // The same element loops as bn_forward's (so the same bits).
-    let norm_row = |o: &mut [f32], xr: &[f32]| {
-        let lanes = o.iter_mut().zip(xr).zip(scale.iter().zip(&shift));
-        if relu {
-            for ((o, &v), (&a, &b)) in lanes {
-                *o = (v * a + b).max(0.0);
-            }
-        } else {
-            for ((o, &v), (&a, &b)) in lanes {
-                *o = v * a + b;
-            }
-        }
-    };
+    let (scale, shift) = fold_affine(mean, rstd, gamma, beta, c);
+    let norm_row = |o: &mut [f32], xr: &[f32]| normalise_row(o, xr, &scale, &shift, relu);
     let chunk = REDUCE_CHUNK_ROWS * c;
     let keep = |lc: &mut [half::bf16], xc: &[f32]| f32_to_bf16(bytemuck::cast_slice_mut(lc), xc);
     match y {
