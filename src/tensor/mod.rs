@@ -25,15 +25,20 @@ pub enum DType {
 impl DType {
     /// Bytes of storage for `numel` elements.
     pub fn storage_bytes(self, numel: usize) -> usize {
+        self.storage_len(numel) * self.unit_bytes()
+    }
+
+    /// Bytes of one storage unit (an element; a byte of 8 bits for masks).
+    pub fn unit_bytes(self) -> usize {
         match self {
-            DType::F32 => 4 * numel,
-            DType::BF16 | DType::F16 => 2 * numel,
-            DType::I64 => 8 * numel,
-            DType::Bits => numel.div_ceil(8),
+            DType::F32 => 4,
+            DType::BF16 | DType::F16 => 2,
+            DType::I64 => 8,
+            DType::Bits => 1,
         }
     }
 
-    /// Number of storage units (elements of the backing `Vec`) for `numel`.
+    /// Number of storage units (elements; bytes for masks) for `numel`.
     pub fn storage_len(self, numel: usize) -> usize {
         match self {
             DType::Bits => numel.div_ceil(8),
@@ -115,7 +120,7 @@ impl Storage {
     /// `dtype.storage_bytes`-worth of `len` units, initialised).
     pub(crate) fn in_block(ptr: NonNull<u8>, dtype: DType, len: usize, place: Place) -> Self {
         debug_assert_eq!(ptr.as_ptr() as usize % 64, 0);
-        debug_assert!(place.bytes >= storage_bytes(dtype, len));
+        debug_assert!(place.bytes >= len * dtype.unit_bytes());
         Storage {
             ptr,
             dtype,
@@ -155,29 +160,48 @@ impl Storage {
     pub fn fill_zero(&mut self) {
         // SAFETY: the block holds at least this many bytes; zero bytes are
         // a valid value of every element type.
-        unsafe { std::ptr::write_bytes(self.ptr.as_ptr(), 0, storage_bytes(self.dtype, self.len)) }
+        unsafe { std::ptr::write_bytes(self.ptr.as_ptr(), 0, self.len * self.dtype.unit_bytes()) }
     }
 
-    /// The units as `T`. Callers check that `T` is the dtype's type.
-    fn slice<T>(&self) -> &[T] {
-        // SAFETY: ptr is aligned for T, the block holds len initialised
-        // units, and the shared borrow of self keeps them from changing.
+    /// The units as `T`, which must be this storage's unit type (checked by
+    /// the caller, [`Tensor::check_unit`]).
+    fn slice<T: Unit>(&self) -> &[T] {
+        debug_assert_eq!(T::DTYPE, self.dtype);
+        // SAFETY: T is the dtype's unit type, ptr is aligned for it, the
+        // block holds len initialised units, and the shared borrow of self
+        // keeps them from changing.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().cast::<T>(), self.len) }
     }
 
-    fn slice_mut<T>(&mut self) -> &mut [T] {
+    fn slice_mut<T: Unit>(&mut self) -> &mut [T] {
+        debug_assert_eq!(T::DTYPE, self.dtype);
         // SAFETY: as in `slice`, and the exclusive borrow of self (the only
         // handle to the block) makes this the only reference.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().cast::<T>(), self.len) }
     }
 }
 
-/// Bytes of `len` storage units.
-fn storage_bytes(dtype: DType, len: usize) -> usize {
-    match dtype {
-        DType::Bits => len,
-        _ => dtype.storage_bytes(len),
-    }
+/// A storage unit type and the dtype it stores, so a typed view cannot
+/// pair one type's bytes with another's name.
+trait Unit: Copy {
+    const DTYPE: DType;
+}
+
+impl Unit for f32 {
+    const DTYPE: DType = DType::F32;
+}
+
+impl Unit for bf16 {
+    const DTYPE: DType = DType::BF16;
+}
+
+impl Unit for f16 {
+    const DTYPE: DType = DType::F16;
+}
+
+/// Bit masks are stored a byte (8 bits) per unit.
+impl Unit for u8 {
+    const DTYPE: DType = DType::Bits;
 }
 
 /// A contiguous tensor whose storage is on loan from a pool.
@@ -252,62 +276,58 @@ impl Tensor {
 
     // Typed views. A wrong dtype is a bug in the engine, never user input,
     // so these panic with the tensor's tag rather than return an error.
-    fn view<T>(&self, want: DType) -> &[T] {
-        let s = self.storage();
-        if s.dtype != want {
-            panic!(
-                "{}: expected {} storage, found {}",
-                self.tag(),
-                want.name(),
-                s.dtype.name()
-            );
-        }
-        s.slice()
-    }
-
-    fn view_mut<T>(&mut self, want: DType) -> &mut [T] {
+    fn check_unit<T: Unit>(&self) {
         let found = self.storage().dtype;
-        if found != want {
+        if found != T::DTYPE {
             panic!(
                 "{}: expected {} storage, found {}",
                 self.tag(),
-                want.name(),
+                T::DTYPE.name(),
                 found.name()
             );
         }
+    }
+
+    fn view<T: Unit>(&self) -> &[T] {
+        self.check_unit::<T>();
+        self.storage().slice()
+    }
+
+    fn view_mut<T: Unit>(&mut self) -> &mut [T] {
+        self.check_unit::<T>();
         self.storage_mut().slice_mut()
     }
 
     pub fn f32(&self) -> &[f32] {
-        self.view(DType::F32)
+        self.view()
     }
 
     pub fn f32_mut(&mut self) -> &mut [f32] {
-        self.view_mut(DType::F32)
+        self.view_mut()
     }
 
     pub fn bits(&self) -> &[u8] {
-        self.view(DType::Bits)
+        self.view()
     }
 
     pub fn bits_mut(&mut self) -> &mut [u8] {
-        self.view_mut(DType::Bits)
+        self.view_mut()
     }
 
     pub fn bf16(&self) -> &[bf16] {
-        self.view(DType::BF16)
+        self.view()
     }
 
     pub fn bf16_mut(&mut self) -> &mut [bf16] {
-        self.view_mut(DType::BF16)
+        self.view_mut()
     }
 
     pub fn f16(&self) -> &[f16] {
-        self.view(DType::F16)
+        self.view()
     }
 
     pub fn f16_mut(&mut self) -> &mut [f16] {
-        self.view_mut(DType::F16)
+        self.view_mut()
     }
 
     pub fn fill_zero(&mut self) {
