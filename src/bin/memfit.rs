@@ -850,13 +850,13 @@ fn bench_strategies(a: StrategiesArgs) -> Result<()> {
     if a.rounds == 0 {
         bail!("--rounds must be at least 1");
     }
-    // Each row's results over the rounds; a row whose budget is below the
-    // smallest plan in the first round is left out of the later ones.
-    let mut runs: Vec<(usize, Vec<StepResult>)> = Vec::new();
+    // Each row's results over the rounds, by row; a row whose budget is
+    // below the smallest plan in the first round stays empty.
+    let mut runs: Vec<Vec<StepResult>> = rows.iter().map(|_| Vec::new()).collect();
     let mut none_peak = None;
     for round in 0..a.rounds {
-        for (i, r) in rows.iter().enumerate() {
-            if round > 0 && !runs.iter().any(|(j, _)| *j == i) {
+        for (r, run) in rows.iter().zip(&mut runs) {
+            if round > 0 && run.is_empty() {
                 continue;
             }
             let budget = match (r.budget_fraction, none_peak) {
@@ -888,10 +888,7 @@ fn bench_strategies(a: StrategiesArgs) -> Result<()> {
             match measure_steps(&step, false) {
                 Ok(m) => {
                     none_peak.get_or_insert(m.measured.peak_total);
-                    match runs.iter_mut().find(|(j, _)| *j == i) {
-                        Some((_, v)) => v.push(m),
-                        None => runs.push((i, vec![m])),
-                    }
+                    run.push(m);
                 }
                 // A budget below the smallest plan is a result too, not a failure.
                 Err(e) if r.budget_fraction.is_some() => eprintln!("{}: {e:#}", r.name),
@@ -899,9 +896,11 @@ fn bench_strategies(a: StrategiesArgs) -> Result<()> {
             }
         }
     }
-    let results: Vec<(String, StepResult)> = runs
-        .into_iter()
-        .map(|(i, v)| (rows[i].name.clone(), median_round(&rows[i].name, v)))
+    let results: Vec<(String, StepResult)> = rows
+        .iter()
+        .zip(runs)
+        .filter(|(_, run)| !run.is_empty())
+        .map(|(r, run)| (r.name.clone(), median_round(&r.name, run)))
         .collect();
     let (base_peak, base_time) = (
         results[0].1.measured.peak_total as f64,
