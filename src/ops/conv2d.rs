@@ -332,8 +332,9 @@ fn check_lens(g: &ConvGeom, y: usize, x: usize, w: usize) {
 
 /// y (n, oh, ow, cout) = conv(x (n, h, w, cin), w (kh, kw, cin, cout)).
 /// `ws` holds at least `g.forward_workspace_len()` floats. `math` is the
-/// GEMM arithmetic: bf16 takes bf16-representable `x` (the weight is
-/// rounded by the GEMM) and returns `y` rounded to bf16, as a bf16
+/// GEMM arithmetic: bf16 takes bf16-representable `x` (the native kernel
+/// rounds the weight as it packs it; the f32 fallback needs it
+/// bf16-representable too) and returns `y` rounded to bf16, as a bf16
 /// convolution's output is.
 pub fn conv2d_forward(
     y: &mut [f32],
@@ -897,8 +898,25 @@ mod tests {
             let w = rand_vec(&mut r, g.weight_len());
             let dy = round(rand_vec(&mut r, g.output_len()));
             let w_rounded = round(w.clone());
+            // The native kernel rounds the weight as it packs it; the f32
+            // fallback (CPUs without AVX512-BF16) takes it pre-rounded, as
+            // the layers pass it there (`Precision::gemm_rounds_operands`).
+            let w_in = if GemmMath::Bf16.native_bf16() {
+                &w
+            } else {
+                &w_rounded
+            };
             let (mut dx, mut dw) = (vec![0.0; x.len()], vec![0.0; w.len()]);
-            let y = forward_backward(&g, &x, &w, &dy, &mut dx, &mut dw, GemmMath::Bf16, f32::NAN);
+            let y = forward_backward(
+                &g,
+                &x,
+                w_in,
+                &dy,
+                &mut dx,
+                &mut dw,
+                GemmMath::Bf16,
+                f32::NAN,
+            );
             let y_ref = conv2d_ref(&to_f64(&x), &to_f64(&w_rounded), &g);
             // The output comes back rounded to bf16: exactly representable,
             // and within half a bf16 ulp (2^-9 relative) of the exact sum.
