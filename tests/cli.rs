@@ -175,6 +175,43 @@ fn bench_step_reports_time_and_memory() {
 }
 
 #[test]
+fn bf16_says_when_its_gemms_are_emulated() {
+    let args = |precision| {
+        [
+            "bench",
+            "step",
+            "--model",
+            "resnet18",
+            "--base-width",
+            "8",
+            "--image-size",
+            "32",
+            "--batch-size",
+            "2",
+            "--steps",
+            "1",
+            "--num-classes",
+            "10",
+            "--precision",
+            precision,
+        ]
+    };
+    let note = "bf16 GEMMs run as f32 products";
+    let native = memfit::device::cpu::bf16_gemm_available();
+    let (code, _, err) = memfit(&args("bf16"));
+    assert_eq!(code, 0, "stderr:\n{err}");
+    // The note appears exactly where this CPU has no bf16 dot products.
+    assert_eq!(
+        err.contains(note),
+        !native,
+        "native bf16: {native}; stderr:\n{err}"
+    );
+    let (code, _, err) = memfit(&args("fp32"));
+    assert_eq!(code, 0, "stderr:\n{err}");
+    assert!(!err.contains(note), "fp32 run:\n{err}");
+}
+
+#[test]
 fn bench_step_profile_splits_time_by_op_family() {
     let (code, out, err) = memfit(&[
         "bench",
