@@ -3,8 +3,9 @@
 //! to nearest even with NaN kept quiet, exactly `half::bf16::from_f32`.
 //!
 //! They are memory-bound passes over whole activations, so each has an
-//! AVX-512 path (16 values per instruction, chosen at run time) besides the
-//! scalar one; both give the same bits.
+//! AVX-512 path (16 values per instruction) and an AVX2 path (8 values, for
+//! CPUs such as AMD Zen 3) besides the scalar one, chosen at run time; all
+//! give the same bits.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -27,18 +28,28 @@ pub fn bf16_bits_to_f32(b: u16) -> f32 {
     f32::from_bits((b as u32) << 16)
 }
 
-fn simd() -> bool {
-    static SIMD: OnceLock<bool> = OnceLock::new();
-    #[cfg(target_arch = "x86_64")]
-    {
-        *SIMD.get_or_init(|| {
-            is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw")
-        })
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        *SIMD.get_or_init(|| false)
-    }
+/// The widest vector path this CPU runs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Simd {
+    Avx512,
+    Avx2,
+    Scalar,
+}
+
+fn simd() -> Simd {
+    static SIMD: OnceLock<Simd> = OnceLock::new();
+    *SIMD.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") {
+                return Simd::Avx512;
+            }
+            if is_x86_feature_detected!("avx2") {
+                return Simd::Avx2;
+            }
+        }
+        Simd::Scalar
+    })
 }
 
 /// 16 values rounded to bf16, the bits in the low half of each lane.
@@ -58,12 +69,15 @@ pub(super) fn round16(x: __m512) -> __m512i {
 /// `dst[i] = bf16(src[i])`.
 pub fn f32_to_bf16(dst: &mut [u16], src: &[f32]) {
     assert_eq!(dst.len(), src.len(), "f32_to_bf16: lengths");
-    let mut done = 0;
+    // SAFETY: `simd()` checked that the CPU has the features.
     #[cfg(target_arch = "x86_64")]
-    if simd() {
-        // SAFETY: the CPU has the features (checked above).
-        done = unsafe { f32_to_bf16_avx512(dst, src) };
-    }
+    let done = match simd() {
+        Simd::Avx512 => unsafe { f32_to_bf16_avx512(dst, src) },
+        Simd::Avx2 => unsafe { f32_to_bf16_avx2(dst, src) },
+        Simd::Scalar => 0,
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = 0;
     for (d, &s) in dst[done..].iter_mut().zip(&src[done..]) {
         *d = f32_to_bf16_bits(s);
     }
@@ -87,12 +101,15 @@ unsafe fn f32_to_bf16_avx512(dst: &mut [u16], src: &[f32]) -> usize {
 
 /// `v[i] = f32(bf16(v[i]))`: rounds in place.
 pub fn round_to_bf16(v: &mut [f32]) {
-    let mut done = 0;
+    // SAFETY: `simd()` checked that the CPU has the features.
     #[cfg(target_arch = "x86_64")]
-    if simd() {
-        // SAFETY: the CPU has the features (checked above).
-        done = unsafe { round_avx512(v) };
-    }
+    let done = match simd() {
+        Simd::Avx512 => unsafe { round_avx512(v) },
+        Simd::Avx2 => unsafe { round_avx2(v) },
+        Simd::Scalar => 0,
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = 0;
     for x in &mut v[done..] {
         *x = bf16_bits_to_f32(f32_to_bf16_bits(*x));
     }
@@ -116,12 +133,15 @@ unsafe fn round_avx512(v: &mut [f32]) -> usize {
 /// `dst[i] = f32(src[i])` (exact).
 pub fn bf16_to_f32(dst: &mut [f32], src: &[u16]) {
     assert_eq!(dst.len(), src.len(), "bf16_to_f32: lengths");
-    let mut done = 0;
+    // SAFETY: `simd()` checked that the CPU has the features.
     #[cfg(target_arch = "x86_64")]
-    if simd() {
-        // SAFETY: the CPU has the features (checked above).
-        done = unsafe { widen_avx512(dst, src) };
-    }
+    let done = match simd() {
+        Simd::Avx512 => unsafe { widen_avx512(dst, src) },
+        Simd::Avx2 => unsafe { widen_avx2(dst, src) },
+        Simd::Scalar => 0,
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = 0;
     for (d, &s) in dst[done..].iter_mut().zip(&src[done..]) {
         *d = bf16_bits_to_f32(s);
     }
@@ -142,13 +162,81 @@ unsafe fn widen_avx512(dst: &mut [f32], src: &[u16]) -> usize {
     16 * blocks
 }
 
+/// 8 values rounded to bf16, the bits in the low half of each lane
+/// ([`round16`] on AVX2).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+fn round8(x: __m256) -> __m256i {
+    let b = _mm256_castps_si256(x);
+    let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(1));
+    let bias = _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff));
+    let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(b, bias));
+    let nan = _mm256_or_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(0x40));
+    let is_nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(x, x));
+    _mm256_blendv_epi8(rounded, nan, is_nan)
+}
+
+/// Converts the whole 16-value blocks; returns how many values it did.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn f32_to_bf16_avx2(dst: &mut [u16], src: &[f32]) -> usize {
+    let blocks = src.len() / 16;
+    for i in 0..blocks {
+        // SAFETY: block i lies inside both slices.
+        unsafe {
+            let p = src.as_ptr().add(16 * i);
+            let lo = round8(_mm256_loadu_ps(p));
+            let hi = round8(_mm256_loadu_ps(p.add(8)));
+            // Every lane is below 0x10000, so the saturating pack is exact;
+            // it interleaves 64-bit quarters (lo0 hi0 lo1 hi1), which the
+            // permute puts back in order.
+            let packed = _mm256_packus_epi32(lo, hi);
+            let h = _mm256_permute4x64_epi64::<0b11_01_10_00>(packed);
+            _mm256_storeu_si256(dst.as_mut_ptr().add(16 * i) as *mut __m256i, h);
+        }
+    }
+    16 * blocks
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn round_avx2(v: &mut [f32]) -> usize {
+    let blocks = v.len() / 8;
+    for i in 0..blocks {
+        // SAFETY: block i lies inside the slice.
+        unsafe {
+            let p = v.as_mut_ptr().add(8 * i);
+            let r = _mm256_slli_epi32::<16>(round8(_mm256_loadu_ps(p)));
+            _mm256_storeu_ps(p, _mm256_castsi256_ps(r));
+        }
+    }
+    8 * blocks
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn widen_avx2(dst: &mut [f32], src: &[u16]) -> usize {
+    let blocks = src.len() / 8;
+    for i in 0..blocks {
+        // SAFETY: block i lies inside both slices.
+        unsafe {
+            let h = _mm_loadu_si128(src.as_ptr().add(8 * i) as *const __m128i);
+            let w = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h));
+            _mm256_storeu_ps(dst.as_mut_ptr().add(8 * i), _mm256_castsi256_ps(w));
+        }
+    }
+    8 * blocks
+}
+
 /// `dst[i] = bf16(lo[i]) | bf16(hi[i]) << 16` (hi = 0 when `None`): two
 /// k-consecutive values per word, the operand form of `vdpbf16ps`.
 pub fn pair_to_bf16(dst: &mut [u32], lo: &[f32], hi: Option<&[f32]>) {
     assert_eq!(dst.len(), lo.len(), "pair_to_bf16: lengths");
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if simd() && hi.is_some() {
+    // Only the AVX512-BF16 GEMM packs pairs, so there is no AVX2 path.
+    if simd() == Simd::Avx512 && hi.is_some() {
         // SAFETY: the CPU has the features (checked above).
         done = unsafe { pair_avx512(dst, lo, hi.unwrap_or(&[])) };
     }
@@ -244,6 +332,43 @@ mod tests {
             let want_pair = want as u32 | ((f32_to_bf16_bits(hi[i]) as u32) << 16);
             assert_eq!(pairs[i], want_pair, "{x:e}");
             assert_eq!(lone[i], want as u32);
+        }
+    }
+
+    /// The AVX2 kernels directly, so they are checked on AVX-512 CPUs too
+    /// (where the slice functions take the AVX-512 path).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_paths_equal_the_scalar_path() {
+        if !is_x86_feature_detected!("avx2") {
+            return;
+        }
+        let v = values();
+        let mut bits = vec![0u16; v.len()];
+        let mut rounded = v.clone();
+        let want_bits: Vec<u16> = v.iter().map(|&x| f32_to_bf16_bits(x)).collect();
+        let mut back = vec![0f32; v.len()];
+        // SAFETY: the CPU has AVX2 (checked above).
+        let (narrowed, rounded_n, widened) = unsafe {
+            (
+                f32_to_bf16_avx2(&mut bits, &v),
+                round_avx2(&mut rounded),
+                widen_avx2(&mut back, &want_bits),
+            )
+        };
+        assert_eq!(narrowed, v.len() / 16 * 16);
+        assert_eq!(rounded_n, v.len() / 8 * 8);
+        assert_eq!(widened, v.len() / 8 * 8);
+        for i in 0..narrowed {
+            assert_eq!(bits[i], want_bits[i], "{:e}", v[i]);
+        }
+        for i in 0..rounded_n {
+            assert!(
+                same(rounded[i], bf16_bits_to_f32(want_bits[i])),
+                "{:e}",
+                v[i]
+            );
+            assert_eq!(back[i].to_bits(), (want_bits[i] as u32) << 16);
         }
     }
 }
