@@ -144,9 +144,10 @@ fn train_on_synthetic_writes_metrics_and_weights_that_eval_reads() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-#[test]
-fn bench_step_reports_time_and_memory() {
-    let (code, out, err) = memfit(&[
+/// `memfit bench step` on a tiny ResNet-18 (base width 8, 32×32, 10
+/// classes), followed by `extra` (batch size, steps, flags).
+fn tiny_bench_step(extra: &[&str]) -> (i32, String, String) {
+    let mut args = vec![
         "bench",
         "step",
         "--model",
@@ -155,13 +156,16 @@ fn bench_step_reports_time_and_memory() {
         "8",
         "--image-size",
         "32",
-        "--batch-size",
-        "4",
-        "--steps",
-        "2",
         "--num-classes",
         "10",
-    ]);
+    ];
+    args.extend_from_slice(extra);
+    memfit(&args)
+}
+
+#[test]
+fn bench_step_reports_time_and_memory() {
+    let (code, out, err) = tiny_bench_step(&["--batch-size", "4", "--steps", "2"]);
     assert_eq!(code, 0, "stderr:\n{err}");
     for needle in [
         "s/step",
@@ -176,29 +180,19 @@ fn bench_step_reports_time_and_memory() {
 
 #[test]
 fn bf16_says_when_its_gemms_are_emulated() {
-    let args = |precision| {
-        [
-            "bench",
-            "step",
-            "--model",
-            "resnet18",
-            "--base-width",
-            "8",
-            "--image-size",
-            "32",
+    let run = |precision| {
+        tiny_bench_step(&[
             "--batch-size",
             "2",
             "--steps",
             "1",
-            "--num-classes",
-            "10",
             "--precision",
             precision,
-        ]
+        ])
     };
     let note = "bf16 GEMMs run as f32 products";
     let native = memfit::device::cpu::bf16_gemm_available();
-    let (code, _, err) = memfit(&args("bf16"));
+    let (code, _, err) = run("bf16");
     assert_eq!(code, 0, "stderr:\n{err}");
     // The note appears exactly where this CPU has no bf16 dot products.
     assert_eq!(
@@ -206,30 +200,14 @@ fn bf16_says_when_its_gemms_are_emulated() {
         !native,
         "native bf16: {native}; stderr:\n{err}"
     );
-    let (code, _, err) = memfit(&args("fp32"));
+    let (code, _, err) = run("fp32");
     assert_eq!(code, 0, "stderr:\n{err}");
     assert!(!err.contains(note), "fp32 run:\n{err}");
 }
 
 #[test]
 fn bench_step_profile_splits_time_by_op_family() {
-    let (code, out, err) = memfit(&[
-        "bench",
-        "step",
-        "--model",
-        "resnet18",
-        "--base-width",
-        "8",
-        "--image-size",
-        "32",
-        "--batch-size",
-        "4",
-        "--steps",
-        "1",
-        "--num-classes",
-        "10",
-        "--profile",
-    ]);
+    let (code, out, err) = tiny_bench_step(&["--batch-size", "4", "--steps", "1", "--profile"]);
     assert_eq!(code, 0, "stderr:\n{err}");
     for family in [
         "conv fwd",
