@@ -1,7 +1,7 @@
 //! The one error type of the library. Variants carry the context a user needs
 //! to act on the message (which op, which file, which shapes).
 
-use crate::memory::BudgetReport;
+use crate::accounting::BudgetReport;
 
 pub type Result<T> = std::result::Result<T, Error>;
 
@@ -22,9 +22,9 @@ pub enum Error {
     OutOfBudget(Box<BudgetReport>),
     #[error(
         "memory budget {} is too small: the smallest plan needs {} (micro-batch {micro_batch}, every stage recomputed as far as possible), of which {} are parameters, gradients and optimizer state",
-        crate::memory::fmt_bytes(*budget),
-        crate::memory::fmt_bytes(*needed),
-        crate::memory::fmt_bytes(*persistent)
+        crate::accounting::fmt_bytes(*budget),
+        crate::accounting::fmt_bytes(*needed),
+        crate::accounting::fmt_bytes(*persistent)
     )]
     BudgetTooSmall {
         budget: usize,

@@ -6,6 +6,8 @@
 //! [`nn`] (stages of the ResNet chain), [`exec`] (runs the chain under a
 //! plan), [`optim`].
 
+pub mod accounting;
+pub mod backend;
 pub mod baseline;
 pub mod data;
 pub mod device;

@@ -104,9 +104,9 @@ fn snapshot(model: &mut ResNet) -> Snapshot {
                     .map(|v| v.to_bits() as u64)
                     .collect(),
             ),
-            StateSlot::Buffer { data, .. } => (
-                vec![data.len()],
-                data.iter().map(|v| v.to_bits() as u64).collect(),
+            StateSlot::Buffer { tensor, .. } => (
+                vec![tensor.numel()],
+                tensor.f32().iter().map(|v| v.to_bits() as u64).collect(),
             ),
             StateSlot::Count { value, .. } => (vec![], vec![*value as u64]),
         };

@@ -24,7 +24,8 @@ fn snapshot(model: &mut ResNet) -> Vec<(String, Vec<u32>)> {
                 param.grad.f32().iter().map(|v| v.to_bits()).collect(),
             ));
         }
-        StateSlot::Buffer { name, data } => {
+        StateSlot::Buffer { name, tensor } => {
+            let data = tensor.f32();
             out.push((name, data.iter().map(|v| v.to_bits()).collect()))
         }
         StateSlot::Count { name, value } => out.push((name, vec![*value as u32])),

@@ -64,7 +64,8 @@ fn state(model: &mut ResNet, opt: &Optimizer) -> Vec<(String, Vec<u32>)> {
             param.name.clone(),
             param.value.f32().iter().map(|v| v.to_bits()).collect(),
         )),
-        StateSlot::Buffer { name, data } => {
+        StateSlot::Buffer { name, tensor } => {
+            let data = tensor.f32();
             out.push((name, data.iter().map(|v| v.to_bits()).collect()))
         }
         StateSlot::Count { name, value } => out.push((name, vec![*value as u32])),

@@ -132,7 +132,9 @@ fn without_a_scaler_a_non_finite_gradient_stops_or_is_skipped() {
                     .iter()
                     .map(|v| v.to_bits() as u64)
                     .collect(),
-                StateSlot::Buffer { data, .. } => data.iter().map(|v| v.to_bits() as u64).collect(),
+                StateSlot::Buffer { tensor, .. } => {
+                    tensor.f32().iter().map(|v| v.to_bits() as u64).collect()
+                }
                 StateSlot::Count { value, .. } => vec![*value as u64],
             })
         });

@@ -304,7 +304,8 @@ fn tiny_resnet_step(name: &str) {
             println!("  grad.{:<32} max diff {d:.2e}", param.name);
             checked += 1;
         }
-        StateSlot::Buffer { name, data } => {
+        StateSlot::Buffer { name, tensor } => {
+            let data = tensor.f32();
             check(
                 &format!("after.{name}"),
                 data,

@@ -1,3 +1,114 @@
-//! Compute backends. Only the CPU exists so far; `cuda` will sit beside it.
+//! Where storage lives and what the hardware there can do.
+//!
+//! A [`Device`] names a place for tensor storage and kernels: the host CPU,
+//! or *meta*, a device with no storage that stands in for a real one so the
+//! planner can run a whole step as accounting only. The kernels of each
+//! real device live in a submodule (`cpu`: the gemm crate, rayon and our
+//! bf16 kernels); the backend boundary above (`crate::backend`) dispatches
+//! on the device of a tensor's storage. This module knows nothing of
+//! tensors, pools or models.
 
 pub mod cpu;
+
+/// A device that holds real storage and runs kernels. The meta device
+/// stands in for one of these.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Target {
+    /// This machine's CPU.
+    Cpu,
+}
+
+/// Where a tensor's storage lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Device {
+    /// Host memory; kernels on the CPU.
+    Cpu,
+    /// Shapes only: tensors are accounted for in the pool but hold no
+    /// bytes, and kernels do nothing. Capabilities and workspace sizes are
+    /// those of the target, so a step simulated here allocates exactly
+    /// what it allocates there (the planner's simulator).
+    Meta(Target),
+}
+
+impl Device {
+    /// Whether kernels run and storage holds values (false for meta).
+    pub fn computes(self) -> bool {
+        !matches!(self, Device::Meta(_))
+    }
+
+    /// The real device this one is or stands in for.
+    pub fn target(self) -> Target {
+        match self {
+            Device::Cpu => Target::Cpu,
+            Device::Meta(t) => t,
+        }
+    }
+
+    /// What the (target) hardware can do.
+    pub fn capabilities(self) -> Capabilities {
+        match self.target() {
+            Target::Cpu => Capabilities::cpu(),
+        }
+    }
+
+    pub fn name(self) -> String {
+        match self {
+            Device::Cpu => "cpu".into(),
+            Device::Meta(t) => format!("meta({})", Device::from(t).name()),
+        }
+    }
+}
+
+impl From<Target> for Device {
+    fn from(t: Target) -> Device {
+        match t {
+            Target::Cpu => Device::Cpu,
+        }
+    }
+}
+
+/// Layout of convolution weights in a device's storage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ConvWeightLayout {
+    /// (kh, kw, cin, cout): the CPU GEMM's right operand as stored.
+    Hwio,
+}
+
+/// What a device can do, in one place: the layers, the planner and the
+/// binary ask here instead of probing the hardware themselves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Capabilities {
+    /// bf16 products run natively (AVX512-BF16 on the CPU); otherwise bf16
+    /// mode multiplies pre-rounded operands in f32 (same values, no speed-up).
+    pub native_bf16: bool,
+    /// Layout of convolution weights in storage.
+    pub conv_weight_layout: ConvWeightLayout,
+    /// Kernels give the same bits run after run (fixed reduction orders).
+    pub deterministic: bool,
+}
+
+impl Capabilities {
+    /// This machine's CPU (probed once per process by the kernels).
+    pub fn cpu() -> Self {
+        Capabilities {
+            native_bf16: cpu::bf16_gemm_available(),
+            conv_weight_layout: ConvWeightLayout::Hwio,
+            deterministic: true,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn meta_answers_as_its_target() {
+        let meta = Device::Meta(Target::Cpu);
+        assert!(!meta.computes());
+        assert!(Device::Cpu.computes());
+        assert_eq!(meta.capabilities(), Device::Cpu.capabilities());
+        assert_eq!(meta.target(), Target::Cpu);
+        assert_eq!(meta.name(), "meta(cpu)");
+    }
+}

@@ -10,10 +10,10 @@
 
 use std::fmt;
 
+use crate::backend::{self, LossOutput};
 use crate::error::{Error, Result};
 use crate::memory::{Category, Pool, Tag};
 use crate::nn::{Mode, ResNet, Saved};
-use crate::ops::cross_entropy::cross_entropy_forward_backward_over;
 use crate::tensor::Tensor;
 
 /// A run of consecutive stages `start..end` and what happens to what they save.
@@ -146,18 +146,6 @@ pub struct LossOptions {
     pub scale: Option<f32>,
 }
 
-/// Index of the largest logit of each row.
-pub fn argmax_rows(logits: &[f32], classes: usize) -> Vec<usize> {
-    logits
-        .chunks_exact(classes)
-        .map(|row| {
-            row.iter()
-                .enumerate()
-                .fold(0, |best, (i, &v)| if v > row[best] { i } else { best })
-        })
-        .collect()
-}
-
 /// What the forward left for the backward, one entry per segment.
 enum Tape {
     Kept(Vec<Saved>),
@@ -215,35 +203,21 @@ pub fn forward_backward(
         }
     }
     let logits = x;
-    let classes = model.config.num_classes;
     let mut d_logits = pool.empty_f32(
         logits.dims(),
         Category::Activations,
         Tag::fixed("loss.d_logits"),
     )?;
-    let (loss, correct) = if pool.computes() {
-        let loss = cross_entropy_forward_backward_over(
-            d_logits.f32_mut(),
-            logits.f32(),
-            labels,
-            classes,
-            loss_opts.label_smoothing,
-            loss_opts.window_samples.unwrap_or(n),
-        )?;
-        if let Some(scale) = loss_opts.scale {
-            d_logits.f32_mut().iter_mut().for_each(|g| *g *= scale);
-        }
-        // The gradient reaching a low-type linear is of the low type.
-        model.precision().round(d_logits.f32_mut());
-        let correct = argmax_rows(logits.f32(), classes)
-            .iter()
-            .zip(labels)
-            .filter(|(p, l)| p == l)
-            .count();
-        (loss, correct)
-    } else {
-        (0.0, 0)
-    };
+    // The gradient reaching a low-type linear is of the low type.
+    let LossOutput { loss, correct } = backend::cross_entropy(
+        &mut d_logits,
+        &logits,
+        labels,
+        loss_opts.label_smoothing,
+        loss_opts.window_samples.unwrap_or(n),
+        loss_opts.scale,
+        model.precision(),
+    )?;
     drop(logits);
 
     let mut d = Some(d_logits);

@@ -90,13 +90,15 @@ fn check_slot(slot: &StateSlot<'_>, name: &str, t: &RawTensor) -> Option<String>
     match (slot, &t.data) {
         (StateSlot::Param { torch_shape, .. }, RawData::F32(_)) => (t.shape != *torch_shape)
             .then(|| format!("'{name}' has shape {:?}, expected {torch_shape:?}", t.shape)),
-        (StateSlot::Buffer { data, .. }, RawData::F32(_)) => (t.shape != [data.len()]).then(|| {
-            format!(
-                "'{name}' has shape {:?}, expected [{}]",
-                t.shape,
-                data.len()
-            )
-        }),
+        (StateSlot::Buffer { tensor, .. }, RawData::F32(_)) => {
+            (t.shape != [tensor.numel()]).then(|| {
+                format!(
+                    "'{name}' has shape {:?}, expected [{}]",
+                    t.shape,
+                    tensor.numel()
+                )
+            })
+        }
         // torch saves a 0-d tensor; accept [] and [1].
         (StateSlot::Count { .. }, RawData::I64(_)) => (!(t.shape.is_empty() || t.shape == [1]))
             .then(|| format!("'{name}' has shape {:?}, expected [] (or [1])", t.shape)),
@@ -121,7 +123,7 @@ fn copy_into(slot: StateSlot<'_>, t: &RawTensor) {
             .value
             .f32_mut()
             .copy_from_slice(&layout.from_torch(v, &torch_shape)),
-        (StateSlot::Buffer { data, .. }, RawData::F32(v)) => data.copy_from_slice(v),
+        (StateSlot::Buffer { tensor, .. }, RawData::F32(v)) => tensor.f32_mut().copy_from_slice(v),
         (StateSlot::Count { value, .. }, RawData::I64(v)) => *value = v[0],
         _ => unreachable!("checked by check_slot"),
     }

@@ -59,10 +59,10 @@ fn state_entries(model: &mut ResNet) -> Vec<(String, Entry)> {
                     bytes,
                 }
             }
-            StateSlot::Buffer { data, .. } => Entry {
+            StateSlot::Buffer { tensor, .. } => Entry {
                 dtype: Dtype::F32,
-                shape: vec![data.len()],
-                bytes: f32_bytes(data),
+                shape: vec![tensor.numel()],
+                bytes: f32_bytes(tensor.f32()),
             },
             StateSlot::Count { value, .. } => Entry {
                 dtype: Dtype::I64,

@@ -16,17 +16,19 @@
 //!   no free block for a request that fits the budget (counted in
 //!   [`MemoryStats::reserved_peak`]).
 //! * An optional timeline records every alloc/free event.
-//! * A *shapes-only* pool ([`Pool::shapes_only`]) does the same accounting
-//!   with empty storage, and layers skip their kernels on it: running the
+//! * A pool allocates on one [`Device`]. A pool on the *meta* device
+//!   ([`Pool::shapes_only`], [`Pool::on`]) does the same accounting with
+//!   empty storage, and the backend runs no kernels on it: running the
 //!   executor on it predicts the exact allocation sequence and peak of a
 //!   step in microseconds, without the memory (the planner's simulator).
 
 pub(crate) mod arena;
 
 use std::collections::HashMap;
-use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+pub use crate::accounting::{BudgetReport, ByCategory, Category, Tag, fmt_bytes};
+use crate::device::{Device, Target};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Shape, Storage, Tensor};
 use arena::{Arena, block_size};
@@ -37,154 +39,6 @@ const SEGMENT_BYTES: usize = 64 << 20;
 /// Under a budget, the one arena segment is at most this large, so a huge
 /// budget does not ask the system for an address range beyond reason.
 const MAX_SEGMENT_BYTES: usize = 4 << 30;
-
-/// What a buffer is for. The planner and the reports speak in these.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Category {
-    Params,
-    Grads,
-    Optimizer,
-    Activations,
-    Workspace,
-    Data,
-}
-
-impl Category {
-    pub const ALL: [Category; 6] = [
-        Category::Params,
-        Category::Grads,
-        Category::Optimizer,
-        Category::Activations,
-        Category::Workspace,
-        Category::Data,
-    ];
-
-    fn index(self) -> usize {
-        self as usize
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Category::Params => "params",
-            Category::Grads => "grads",
-            Category::Optimizer => "optimizer",
-            Category::Activations => "activations",
-            Category::Workspace => "workspace",
-            Category::Data => "data",
-        }
-    }
-}
-
-/// A buffer's name: a shared prefix (usually a torchvision module path such
-/// as `layer3.2.conv1`) and a static field (`y`, `col`, ...). Cloning is
-/// cheap, so tagging an allocation never allocates.
-#[derive(Clone, Debug)]
-pub struct Tag {
-    prefix: Option<Arc<str>>,
-    field: &'static str,
-}
-
-impl Tag {
-    pub fn new(prefix: &Arc<str>, field: &'static str) -> Self {
-        Tag {
-            prefix: Some(prefix.clone()),
-            field,
-        }
-    }
-
-    pub fn fixed(field: &'static str) -> Self {
-        Tag {
-            prefix: None,
-            field,
-        }
-    }
-}
-
-impl fmt::Display for Tag {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.prefix {
-            Some(p) if self.field.is_empty() => write!(f, "{p}"),
-            Some(p) => write!(f, "{p}.{}", self.field),
-            None => write!(f, "{}", self.field),
-        }
-    }
-}
-
-/// Bytes per category, indexable by [`Category`].
-#[derive(Clone, Copy, Default, Debug, PartialEq, Eq)]
-pub struct ByCategory([usize; 6]);
-
-impl ByCategory {
-    pub fn get(&self, c: Category) -> usize {
-        self.0[c.index()]
-    }
-    pub fn total(&self) -> usize {
-        self.0.iter().sum()
-    }
-}
-
-impl fmt::Display for ByCategory {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let parts: Vec<String> = Category::ALL
-            .iter()
-            .map(|c| format!("{} {}", c.name(), fmt_bytes(self.get(*c))))
-            .collect();
-        write!(f, "{}", parts.join(", "))
-    }
-}
-
-/// `1536` -> `"1.50 KiB"`.
-pub fn fmt_bytes(b: usize) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = b as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u < UNITS.len() - 1 {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{b} B")
-    } else {
-        format!("{v:.2} {}", UNITS[u])
-    }
-}
-
-/// Why an allocation was refused.
-#[derive(Debug, Clone)]
-pub struct BudgetReport {
-    pub tag: String,
-    pub category: Category,
-    pub requested: usize,
-    pub budget: usize,
-    pub live: ByCategory,
-    /// The largest live buffers, largest first: (tag, category, bytes).
-    pub largest: Vec<(String, Category, usize)>,
-}
-
-impl fmt::Display for BudgetReport {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(
-            f,
-            "out of memory budget: {} ({}) needs {} but {} of the {} budget are live",
-            self.tag,
-            self.category.name(),
-            fmt_bytes(self.requested),
-            fmt_bytes(self.live.total()),
-            fmt_bytes(self.budget),
-        )?;
-        writeln!(f, "  live by category: {}", self.live)?;
-        write!(f, "  largest live buffers:")?;
-        for (tag, cat, bytes) in &self.largest {
-            write!(
-                f,
-                "\n    {:>12}  {:<11} {tag}",
-                fmt_bytes(*bytes),
-                cat.name()
-            )?;
-        }
-        Ok(())
-    }
-}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EventKind {
@@ -321,16 +175,37 @@ impl PoolState {
 }
 
 /// A handle to the pool; clones share it.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct Pool {
     state: Arc<Mutex<PoolState>>,
-    /// Accounting only: storage is empty and kernels do not run.
-    shapes_only: bool,
+    /// Where the storage lives; on the meta device it is empty and
+    /// kernels do not run (accounting only).
+    device: Device,
+}
+
+impl Default for Pool {
+    fn default() -> Self {
+        Pool::on(Device::Cpu)
+    }
 }
 
 impl Pool {
+    /// A pool of host memory.
     pub fn new() -> Self {
         Pool::default()
+    }
+
+    /// A pool whose storage lives on `device`.
+    pub fn on(device: Device) -> Self {
+        Pool {
+            state: Arc::default(),
+            device,
+        }
+    }
+
+    /// The device this pool's storage lives on.
+    pub fn device(&self) -> Device {
+        self.device
     }
 
     /// A pool that refuses to hold more than `budget` live bytes.
@@ -340,20 +215,12 @@ impl Pool {
         pool
     }
 
-    /// A pool that accounts for every allocation but backs none with
-    /// memory; tensors from it have empty storage. Layers check
-    /// [`Pool::computes`] and skip their kernels, so a step run on it
-    /// reproduces the real step's allocations exactly.
+    /// A pool on the meta device standing in for this machine's CPU: it
+    /// accounts for every allocation but backs none with memory; tensors
+    /// from it have empty storage and the backend runs no kernels on them,
+    /// so a step run on it reproduces the real step's allocations exactly.
     pub fn shapes_only() -> Self {
-        Pool {
-            shapes_only: true,
-            ..Pool::default()
-        }
-    }
-
-    /// Whether tensors from this pool hold data (false for a shapes-only pool).
-    pub fn computes(&self) -> bool {
-        !self.shapes_only
+        Pool::on(Device::Meta(Target::Cpu))
     }
 
     fn lock(&self) -> MutexGuard<'_, PoolState> {
@@ -467,8 +334,11 @@ impl Pool {
             });
         }
         let mut t = self.allocate(shape, DType::F32, category, tag, false)?;
-        if self.computes() {
-            t.f32_mut().copy_from_slice(values);
+        // The pool sits under the backends: it fills host storage itself,
+        // and a device's segment source will upload (the CUDA issue).
+        match self.device {
+            Device::Cpu => t.f32_mut().copy_from_slice(values),
+            Device::Meta(_) => {}
         }
         Ok(t)
     }
@@ -483,10 +353,10 @@ impl Pool {
     ) -> Result<Tensor> {
         let numel = shape.numel();
         let bytes = dtype.storage_bytes(numel);
-        let len = if self.shapes_only {
-            0
-        } else {
+        let len = if self.device.computes() {
             dtype.storage_len(numel)
+        } else {
+            0
         };
         let mut s = self.lock();
         if let Some(budget) = s.budget
@@ -602,6 +472,11 @@ impl Lease {
 
     pub fn tag(&self) -> String {
         self.pool.tag_of(self.id)
+    }
+
+    /// The device the storage lives on.
+    pub fn device(&self) -> Device {
+        self.pool.device
     }
 
     /// The tag and category the storage was allocated under.

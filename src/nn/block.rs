@@ -6,11 +6,11 @@ use std::sync::Arc;
 
 use rand::rngs::ChaCha8Rng;
 
+use crate::backend;
 use crate::error::Result;
 use crate::memory::{Category, Pool, Tag};
 use crate::nn::precision::{View, bf16_or_f32_view, f32_view, store};
 use crate::nn::{BatchNorm, BnStats, Conv, Mode, Precision};
-use crate::ops::{add, relu};
 use crate::tensor::{DType, Tensor};
 
 /// What a block keeps of a BN+ReLU output for its backward: the tensor
@@ -137,13 +137,7 @@ fn join_residual(
         Category::Activations,
         Tag::new(name, "relu_mask"),
     )?;
-    if pool.computes() {
-        let (z, mask, round) = (z.f32_mut(), mask.bits_mut(), p.chunk_round());
-        match residual.dtype() {
-            DType::BF16 => relu::add_relu_forward(z, residual.bf16(), mask, round),
-            _ => relu::add_relu_forward(z, residual.f32(), mask, round),
-        }
-    }
+    backend::add_relu_forward(z, residual, &mut mask, p)?;
     Ok(mask)
 }
 
@@ -196,11 +190,10 @@ fn join_residual_backward(
             // The downsample's dgrad left d_x rounded when it runs in `p`,
             // and rounding again would change nothing.
             if ds.conv.precision != p {
-                p.round_tensor(pool, d_x);
+                backend::round(d_x, p)?;
             }
         }
-        None if pool.computes() => add::add_assign(d_x.f32_mut(), d_z.f32(), p.chunk_round()),
-        None => {}
+        None => backend::add_assign(d_x, d_z, p)?,
     }
     Ok(())
 }
@@ -346,9 +339,7 @@ impl BasicBlock {
 
     pub fn backward(&mut self, pool: &Pool, s: BasicSaved, mut d_out: Tensor) -> Result<Tensor> {
         let p = self.precision;
-        if pool.computes() {
-            relu::relu_mask_backward_inplace(d_out.f32_mut(), s.mask.bits());
-        }
+        backend::relu_mask_backward_inplace(&mut d_out, &s.mask)?;
         let d_z = d_out;
         let y2 = bf16_or_f32_view(pool, &s.y2)?;
         let d_y2 = self.bn2.backward(pool, &d_z, &y2, &s.bn2, None)?;
@@ -554,9 +545,7 @@ impl Bottleneck {
         mut d_out: Tensor,
     ) -> Result<Tensor> {
         let p = self.precision;
-        if pool.computes() {
-            relu::relu_mask_backward_inplace(d_out.f32_mut(), s.mask.bits());
-        }
+        backend::relu_mask_backward_inplace(&mut d_out, &s.mask)?;
         let d_z = d_out;
         let y3 = bf16_or_f32_view(pool, &s.y3)?;
         let d_y3 = self.bn3.backward(pool, &d_z, &y3, &s.bn3, None)?;

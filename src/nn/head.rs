@@ -2,11 +2,11 @@
 
 use rand::rngs::ChaCha8Rng;
 
+use crate::backend;
 use crate::error::Result;
 use crate::memory::{Category, Pool, Tag};
 use crate::nn::precision::{f32_view, store};
 use crate::nn::{Linear, Mode, Precision};
-use crate::ops::avgpool;
 use crate::tensor::Tensor;
 
 pub struct Head {
@@ -47,10 +47,7 @@ impl Head {
         let mut pooled =
             pool.empty_f32(&[n, c], Category::Activations, Tag::fixed("avgpool.out"))?;
         let xv = f32_view(pool, &x)?;
-        if pool.computes() {
-            avgpool::avgpool_forward(pooled.f32_mut(), xv.f32(), h * w, c);
-            self.precision.round(pooled.f32_mut());
-        }
+        backend::avgpool_forward(&mut pooled, &xv, self.precision)?;
         drop(xv);
         drop(x);
         let logits = self.fc.forward(pool, &pooled)?;
@@ -76,10 +73,7 @@ impl Head {
             Category::Activations,
             Tag::fixed("avgpool.dx"),
         )?;
-        if pool.computes() {
-            avgpool::avgpool_backward(dx.f32_mut(), d_pooled.f32(), h * w, c);
-            self.precision.round(dx.f32_mut());
-        }
+        backend::avgpool_backward(&mut dx, &d_pooled, self.precision)?;
         Ok(dx)
     }
 

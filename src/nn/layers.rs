@@ -5,13 +5,12 @@ use std::sync::Arc;
 
 use rand::rngs::ChaCha8Rng;
 
+use crate::backend::{self, ConvPass};
 use crate::error::Result;
 use crate::memory::{Category, Pool, Tag};
 use crate::nn::precision::{View, f32_view, rounded_weight, store};
 use crate::nn::{BnPolicy, Mode, Param, Precision, normal, uniform};
-use crate::ops::conv2d::{ConvGeom, ConvInput};
-use crate::ops::{ReadF32, RoundChunk, batchnorm as bn, conv2d, linear};
-use crate::profile::{Family, timed};
+use crate::ops::conv2d::ConvGeom;
 use crate::tensor::{DType, Tensor};
 
 /// A convolution without bias. Weight layout (kh, kw, cin, cout).
@@ -73,7 +72,11 @@ impl Conv {
     pub fn reads_in_place(&self, x: &Tensor) -> bool {
         match x.dtype() {
             DType::F32 => true,
-            DType::BF16 => self.precision.gemm_math().native_bf16() && self.cin.is_multiple_of(2),
+            DType::BF16 => {
+                self.precision == Precision::BF16
+                    && backend::capabilities(x).native_bf16
+                    && self.cin.is_multiple_of(2)
+            }
             _ => false,
         }
     }
@@ -86,16 +89,9 @@ impl Conv {
         f32_view(pool, x).map(Some)
     }
 
-    /// The kernels' view of `x` (or of its copy).
-    fn input<'a>(x: &'a Tensor, copy: &'a Option<View<'_>>) -> ConvInput<'a> {
-        match copy {
-            Some(v) => ConvInput::F32(v.f32()),
-            None if x.dtype() == DType::F32 => ConvInput::F32(x.f32()),
-            // Heap blocks from the system allocator are 16-byte aligned on
-            // x86-64 (the only target with the native kernel), and `cin` is
-            // even, so the bf16 storage is whole aligned words.
-            None => ConvInput::Bf16Words(bytemuck::cast_slice(x.bf16())),
-        }
+    /// The kernels' view of `x`: its copy, or `x` itself.
+    fn input<'a>(x: &'a Tensor, copy: &'a Option<View<'_>>) -> &'a Tensor {
+        copy.as_deref().unwrap_or(x)
     }
 
     /// `x` is f32 or stored in bf16 (under mixed precision its values are
@@ -111,24 +107,18 @@ impl Conv {
             Tag::new(&self.name, field),
         )?;
         let w_low = self.gemm_weight(pool)?;
-        let mut ws = pool.empty_f32(
-            &[g.forward_workspace_len()],
-            Category::Workspace,
-            Tag::new(&self.name, "im2col"),
+        let mut ws = self.workspace(pool, &g, ConvPass::Forward)?;
+        backend::conv2d_forward(
+            &mut y,
+            Self::input(x, &x_copy),
+            w_low.as_ref().unwrap_or(&self.weight.value),
+            &g,
+            &mut ws,
+            self.precision,
         )?;
-        if pool.computes() {
-            conv2d::conv2d_forward(
-                y.f32_mut(),
-                Self::input(x, &x_copy),
-                w_low.as_ref().unwrap_or(&self.weight.value).f32(),
-                &g,
-                ws.f32_mut(),
-                self.precision.gemm_math(),
-            );
-        }
         // A bf16 convolution returns its output rounded already.
         if self.precision != Precision::BF16 {
-            self.precision.round_tensor(pool, &mut y);
+            backend::round(&mut y, self.precision)?;
         }
         Ok(y)
     }
@@ -146,36 +136,44 @@ impl Conv {
         let g = self.geom(n, h, w);
         let x_copy = self.input_copy(pool, x)?;
         let w_low = self.gemm_weight(pool)?;
-        let mut ws = pool.empty_f32(
-            &[g.backward_workspace_len()],
-            Category::Workspace,
-            Tag::new(&self.name, "im2col"),
+        let mut ws = self.workspace(pool, &g, ConvPass::Backward)?;
+        let mut dx = dx;
+        backend::conv2d_backward(
+            dx.as_deref_mut(),
+            &mut self.weight.grad,
+            dy,
+            Self::input(x, &x_copy),
+            w_low.as_ref().unwrap_or(&self.weight.value),
+            &g,
+            &mut ws,
+            self.precision,
         )?;
-        if pool.computes() {
-            let mut dx = dx;
-            conv2d::conv2d_backward(
-                dx.as_deref_mut().map(|t| t.f32_mut()),
-                self.weight.grad.f32_mut(),
-                dy.f32(),
-                Self::input(x, &x_copy),
-                w_low.as_ref().unwrap_or(&self.weight.value).f32(),
-                &g,
-                ws.f32_mut(),
-                self.precision.gemm_math(),
-            );
-            // A bf16 convolution returns dx rounded already.
-            if let Some(dx) = dx.filter(|_| self.precision != Precision::BF16) {
-                self.precision.round(dx.f32_mut());
-            }
+        // A bf16 convolution returns dx rounded already.
+        if let Some(dx) = dx.filter(|_| self.precision != Precision::BF16) {
+            backend::round(dx, self.precision)?;
         }
         Ok(())
+    }
+
+    /// The workspace the device asks for this convolution, from the pool.
+    fn workspace(&self, pool: &Pool, g: &ConvGeom, pass: ConvPass) -> Result<Tensor> {
+        let (dtype, len) = backend::conv2d_workspace(pool.device(), g, pass);
+        pool.empty(
+            &[len],
+            dtype,
+            Category::Workspace,
+            Tag::new(&self.name, "im2col"),
+        )
     }
 
     /// The weight as the GEMM needs it: a copy rounded to the layer's
     /// precision, or `None` to use the weight itself (fp32, and bf16 with the
     /// native GEMM, which rounds while packing exactly as a copy would be).
     fn gemm_weight(&self, pool: &Pool) -> Result<Option<Tensor>> {
-        if self.precision.gemm_rounds_operands() {
+        if self
+            .precision
+            .gemm_rounds_operands(pool.device().capabilities())
+        {
             return Ok(None);
         }
         rounded_weight(
@@ -289,7 +287,7 @@ impl BatchNorm {
     /// ([`BatchNorm::forward_relu_for_conv`]).
     fn relu_out_in_bf16(&self) -> bool {
         self.precision == Precision::BF16
-            && self.precision.gemm_math().native_bf16()
+            && self.running_mean.device().capabilities().native_bf16
             && self.c.is_multiple_of(2)
     }
 
@@ -326,19 +324,17 @@ impl BatchNorm {
         };
         let (x_tag, x_category) = x.meta();
         let mut x_low = pool.empty(x.dims(), DType::BF16, x_category, x_tag)?;
-        if pool.computes() {
-            let (mean, rstd) = (stats.mean.f32(), stats.rstd.f32());
-            let (gamma, beta) = (self.weight.value.f32(), self.bias.value.f32());
-            let out = if bf16_out {
-                bn::BnOut::Bf16(y.bf16_mut())
-            } else {
-                bn::BnOut::F32(y.f32_mut(), self.precision.chunk_round())
-            };
-            let (xl, c) = (x_low.bf16_mut(), self.c);
-            timed(Family::BatchNorm, 0, || {
-                bn::bn_forward_keep_x(out, xl, x.f32(), mean, rstd, gamma, beta, c, relu_for_conv)
-            });
-        }
+        backend::bn_forward_keep_x(
+            &mut y,
+            &mut x_low,
+            &x,
+            &stats.mean,
+            &stats.rstd,
+            &self.weight.value,
+            &self.bias.value,
+            relu_for_conv,
+            self.precision,
+        )?;
         Ok((y, stats, x_low))
     }
 
@@ -370,31 +366,28 @@ impl BatchNorm {
         let mut mean = pool.empty_f32(&[c], Category::Activations, tag("mean"))?;
         let mut rstd = pool.empty_f32(&[c], Category::Activations, tag("rstd"))?;
         let from_batch = mode != Mode::Eval && self.policy == BnPolicy::Batch;
-        let computes = pool.computes();
         if from_batch {
             let mut var = pool.empty_f32(&[c], Category::Workspace, tag("var"))?;
-            if computes {
-                timed(Family::BatchNorm, 0, || {
-                    bn::bn_batch_stats(mean.f32_mut(), var.f32_mut(), x.f32(), c);
-                    bn::bn_rstd(rstd.f32_mut(), var.f32(), self.eps);
-                });
-            }
+            backend::bn_batch_stats(&mut mean, &mut var, &mut rstd, x, self.eps)?;
             if mode == Mode::Train {
-                if computes {
-                    bn::bn_update_running(
-                        self.running_mean.f32_mut(),
-                        self.running_var.f32_mut(),
-                        mean.f32(),
-                        var.f32(),
-                        rows,
-                        self.momentum,
-                    );
-                }
+                backend::bn_update_running(
+                    &mut self.running_mean,
+                    &mut self.running_var,
+                    &mean,
+                    &var,
+                    rows,
+                    self.momentum,
+                )?;
                 self.num_batches_tracked += 1;
             }
-        } else if computes {
-            mean.f32_mut().copy_from_slice(self.running_mean.f32());
-            bn::bn_rstd(rstd.f32_mut(), self.running_var.f32(), self.eps);
+        } else {
+            backend::bn_running_stats(
+                &mut mean,
+                &mut rstd,
+                &self.running_mean,
+                &self.running_var,
+                self.eps,
+            )?;
         }
         Ok(BnStats {
             mean,
@@ -414,15 +407,7 @@ impl BatchNorm {
         tag: Tag,
     ) -> Result<Tensor> {
         let mut y = pool.empty(x.dims(), DType::BF16, Category::Activations, tag)?;
-        if pool.computes() {
-            let (mean, rstd) = (stats.mean.f32(), stats.rstd.f32());
-            let (gamma, beta) = (self.weight.value.f32(), self.bias.value.f32());
-            let (y, c) = (y.bf16_mut(), self.c);
-            timed(Family::BatchNorm, 0, || match x.dtype() {
-                DType::BF16 => bn::bn_forward_bf16(y, x.bf16(), mean, rstd, gamma, beta, c, relu),
-                _ => bn::bn_forward_bf16(y, x.f32(), mean, rstd, gamma, beta, c, relu),
-            });
-        }
+        self.normalise(&mut y, x, stats, relu)?;
         Ok(y)
     }
 
@@ -440,19 +425,23 @@ impl BatchNorm {
         tag: Tag,
     ) -> Result<Tensor> {
         let mut y = pool.empty_f32(x.dims(), Category::Activations, tag)?;
-        if pool.computes() {
-            let (mean, rstd) = (stats.mean.f32(), stats.rstd.f32());
-            let (gamma, beta) = (self.weight.value.f32(), self.bias.value.f32());
-            let round = self.precision.chunk_round();
-            let y = y.f32_mut();
-            timed(Family::BatchNorm, 0, || match x.dtype() {
-                DType::BF16 => {
-                    bn::bn_forward(y, x.bf16(), mean, rstd, gamma, beta, self.c, relu, round)
-                }
-                _ => bn::bn_forward(y, x.f32(), mean, rstd, gamma, beta, self.c, relu, round),
-            });
-        }
+        self.normalise(&mut y, x, stats, relu)?;
         Ok(y)
+    }
+
+    /// `y` (f32 rounded to the layer's precision, or bf16) = BN(x) with
+    /// `stats`, then ReLU when `relu`.
+    fn normalise(&self, y: &mut Tensor, x: &Tensor, stats: &BnStats, relu: bool) -> Result<()> {
+        backend::bn_forward(
+            y,
+            x,
+            &stats.mean,
+            &stats.rstd,
+            &self.weight.value,
+            &self.bias.value,
+            relu,
+            self.precision,
+        )
     }
 
     /// Returns dx; accumulates the affine gradients unless frozen. `x` and
@@ -467,68 +456,25 @@ impl BatchNorm {
     ) -> Result<Tensor> {
         let mut dx = pool.empty_f32(x.dims(), Category::Activations, Tag::new(&self.name, "dx"))?;
         let frozen = self.policy == BnPolicy::Frozen;
-        if !pool.computes() {
-            return Ok(dx);
-        }
-        let args = BnBackwardArgs {
-            dx: dx.f32_mut(),
-            dgamma: (!frozen).then(|| self.weight.grad.f32_mut()),
-            dbeta: (!frozen).then(|| self.bias.grad.f32_mut()),
-            dy: dy.f32(),
-            mean: stats.mean.f32(),
-            rstd: stats.rstd.f32(),
-            gamma: self.weight.value.f32(),
-            c: self.c,
-            batch_stats: stats.from_batch,
-            round: self.precision.chunk_round(),
+        let (dgamma, dbeta) = if frozen {
+            (None, None)
+        } else {
+            (Some(&mut self.weight.grad), Some(&mut self.bias.grad))
         };
-        timed(Family::BatchNorm, 0, || match x.dtype() {
-            DType::BF16 => args.run(x.bf16(), relu_out),
-            _ => args.run(x.f32(), relu_out),
-        });
-        Ok(dx)
-    }
-}
-
-/// The arguments of one `bn_backward` besides the two that may be stored in
-/// bf16 (`x`, `relu_out`), whose element types `run` dispatches on.
-struct BnBackwardArgs<'a> {
-    dx: &'a mut [f32],
-    dgamma: Option<&'a mut [f32]>,
-    dbeta: Option<&'a mut [f32]>,
-    dy: &'a [f32],
-    mean: &'a [f32],
-    rstd: &'a [f32],
-    gamma: &'a [f32],
-    c: usize,
-    batch_stats: bool,
-    round: RoundChunk,
-}
-
-impl BnBackwardArgs<'_> {
-    fn run<X: ReadF32>(self, x: &[X], relu_out: Option<&Tensor>) {
-        match relu_out {
-            Some(o) if o.dtype() == DType::BF16 => self.run2(x, Some(o.bf16())),
-            Some(o) => self.run2(x, Some(o.f32())),
-            None => self.run2(x, None::<&[f32]>),
-        }
-    }
-
-    fn run2<X: ReadF32, O: ReadF32>(self, x: &[X], relu_out: Option<&[O]>) {
-        bn::bn_backward(
-            self.dx,
-            self.dgamma,
-            self.dbeta,
-            self.dy,
+        backend::bn_backward(
+            &mut dx,
+            dgamma,
+            dbeta,
+            dy,
             x,
-            self.mean,
-            self.rstd,
-            self.gamma,
+            &stats.mean,
+            &stats.rstd,
+            &self.weight.value,
             relu_out,
-            self.c,
-            self.batch_stats,
-            self.round,
-        )
+            stats.from_batch,
+            self.precision,
+        )?;
+        Ok(dx)
     }
 }
 
@@ -579,24 +525,17 @@ impl Linear {
             self.precision,
             Tag::new(&self.name, "weight_low"),
         )?;
-        if !pool.computes() {
-            return Ok(y);
-        }
-        linear::linear_forward(
-            y.f32_mut(),
-            x.f32(),
-            w_low.as_ref().unwrap_or(&self.weight.value).f32(),
-            self.bias.value.f32(),
-            n,
-            self.fin,
-            self.fout,
-        );
-        self.precision.round(y.f32_mut());
+        backend::linear_forward(
+            &mut y,
+            x,
+            w_low.as_ref().unwrap_or(&self.weight.value),
+            &self.bias.value,
+            self.precision,
+        )?;
         Ok(y)
     }
 
     pub fn backward(&mut self, pool: &Pool, dy: &Tensor, x: &Tensor) -> Result<Tensor> {
-        let n = x.dims()[0];
         let mut dx = pool.empty_f32(x.dims(), Category::Activations, Tag::new(&self.name, "dx"))?;
         let w_low = rounded_weight(
             pool,
@@ -604,21 +543,15 @@ impl Linear {
             self.precision,
             Tag::new(&self.name, "weight_low"),
         )?;
-        if !pool.computes() {
-            return Ok(dx);
-        }
-        linear::linear_backward(
-            Some(dx.f32_mut()),
-            self.weight.grad.f32_mut(),
-            self.bias.grad.f32_mut(),
-            dy.f32(),
-            x.f32(),
-            w_low.as_ref().unwrap_or(&self.weight.value).f32(),
-            n,
-            self.fin,
-            self.fout,
-        );
-        self.precision.round(dx.f32_mut());
+        backend::linear_backward(
+            &mut dx,
+            &mut self.weight.grad,
+            &mut self.bias.grad,
+            dy,
+            x,
+            w_low.as_ref().unwrap_or(&self.weight.value),
+            self.precision,
+        )?;
         Ok(dx)
     }
 }

@@ -14,123 +14,13 @@
 //! f16 overflows to inf where a real f16 pass would (the loss scaler's job).
 
 use std::ops::Deref;
-use std::str::FromStr;
 
-use half::f16;
-use half::slice::HalfFloatSliceExt;
-use rayon::prelude::*;
+pub use crate::tensor::Precision;
 
-use crate::device::cpu::{GemmMath, bf16_to_f32, f32_to_bf16, round_to_bf16};
-use crate::error::{Error, Result};
+use crate::backend;
+use crate::error::Result;
 use crate::memory::{Category, Pool, Tag};
-use crate::ops::RoundChunk;
 use crate::tensor::{DType, Tensor};
-
-/// Elements per rayon task in the conversions: big enough to amortise the
-/// task, small enough to spread a layer over both cores.
-const CHUNK: usize = 1 << 14;
-
-/// The compute and storage type of activations.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Hash)]
-pub enum Precision {
-    #[default]
-    F32,
-    BF16,
-    F16,
-}
-
-impl Precision {
-    /// The GEMM arithmetic for operands rounded to this type: bf16 has a
-    /// native kernel; f16 products are exact in f32, so it uses the f32 GEMM.
-    pub fn gemm_math(self) -> GemmMath {
-        match self {
-            Precision::BF16 => GemmMath::Bf16,
-            Precision::F32 | Precision::F16 => GemmMath::F32,
-        }
-    }
-
-    /// Whether the GEMM rounds its operands to this type itself (the native
-    /// bf16 kernel packs with round-to-nearest-even, as [`Precision::round`]
-    /// does), so callers need not pass pre-rounded copies.
-    pub fn gemm_rounds_operands(self) -> bool {
-        self.gemm_math().native_bf16()
-    }
-
-    pub const ALL: [Precision; 3] = [Precision::F32, Precision::BF16, Precision::F16];
-
-    /// Storage type of saved activations.
-    pub fn dtype(self) -> DType {
-        match self {
-            Precision::F32 => DType::F32,
-            Precision::BF16 => DType::BF16,
-            Precision::F16 => DType::F16,
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Precision::F32 => "fp32",
-            Precision::BF16 => "bf16",
-            Precision::F16 => "f16",
-        }
-    }
-
-    pub fn is_low(self) -> bool {
-        self != Precision::F32
-    }
-
-    /// Bytes per stored activation element.
-    pub fn bytes(self) -> usize {
-        self.dtype().storage_bytes(1)
-    }
-
-    /// Rounds every value to the nearest value of this type (ties to even;
-    /// f16 overflows to ±inf as a real f16 op would). No-op for fp32.
-    pub fn round(self, v: &mut [f32]) {
-        if let Some(round) = self.chunk_round() {
-            v.par_chunks_mut(CHUNK).for_each(round);
-        }
-    }
-
-    /// [`Precision::round`] on one chunk, on the calling thread: what a
-    /// kernel applies to each chunk of its output as it finishes it
-    /// ([`RoundChunk`]). `None` for fp32.
-    pub fn chunk_round(self) -> RoundChunk {
-        match self {
-            Precision::F32 => None,
-            Precision::BF16 => Some(round_to_bf16),
-            Precision::F16 => Some(round_to_f16),
-        }
-    }
-
-    /// Rounds a tensor's values in place (a no-op in a shapes-only pool).
-    pub fn round_tensor(self, pool: &Pool, t: &mut Tensor) {
-        if self.is_low() && pool.computes() {
-            self.round(t.f32_mut());
-        }
-    }
-}
-
-impl std::fmt::Display for Precision {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for Precision {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "fp32" | "f32" => Ok(Precision::F32),
-            "bf16" => Ok(Precision::BF16),
-            "f16" | "fp16" => Ok(Precision::F16),
-            _ => Err(Error::invalid(
-                "precision",
-                format!("unknown precision '{s}' (choose fp32, bf16 or f16)"),
-            )),
-        }
-    }
-}
 
 /// An activation as a kernel reads it: the tensor itself, or a converted
 /// copy in the workspace that is freed when the view drops.
@@ -156,9 +46,7 @@ pub fn f32_view<'a>(pool: &Pool, t: &'a Tensor) -> Result<View<'a>> {
     }
     let (tag, _) = t.meta();
     let mut out = pool.empty_f32(t.dims(), Category::Workspace, tag)?;
-    if pool.computes() {
-        widen(out.f32_mut(), t);
-    }
+    backend::widen(&mut out, t)?;
     Ok(View::Owned(out))
 }
 
@@ -180,9 +68,7 @@ pub fn into_f32(pool: &Pool, t: Tensor) -> Result<Tensor> {
     }
     let (tag, category) = t.meta();
     let mut out = pool.empty_f32(t.dims(), category, tag)?;
-    if pool.computes() {
-        widen(out.f32_mut(), &t);
-    }
+    backend::widen(&mut out, &t)?;
     Ok(out)
 }
 
@@ -195,22 +81,7 @@ pub fn store(pool: &Pool, t: Tensor, p: Precision) -> Result<Tensor> {
     }
     let (tag, category) = t.meta();
     let mut out = pool.empty(t.dims(), p.dtype(), category, tag)?;
-    if pool.computes() {
-        let src = t.f32();
-        match p {
-            Precision::BF16 => out
-                .bf16_mut()
-                .par_chunks_mut(CHUNK)
-                .zip(src.par_chunks(CHUNK))
-                .for_each(|(d, s)| f32_to_bf16(bytemuck::cast_slice_mut(d), s)),
-            Precision::F16 => out
-                .f16_mut()
-                .par_chunks_mut(CHUNK)
-                .zip(src.par_chunks(CHUNK))
-                .for_each(|(d, s)| d.convert_from_f32_slice(s)),
-            Precision::F32 => unreachable!("handled above"),
-        }
-    }
+    backend::narrow(&mut out, &t)?;
     Ok(out)
 }
 
@@ -221,39 +92,14 @@ pub fn rounded_weight(pool: &Pool, w: &Tensor, p: Precision, tag: Tag) -> Result
         return Ok(None);
     }
     let mut out = pool.empty_f32(w.dims(), Category::Workspace, tag)?;
-    if pool.computes() {
-        out.f32_mut().copy_from_slice(w.f32());
-        p.round(out.f32_mut());
-    }
+    backend::copy_rounded(&mut out, w, p)?;
     Ok(Some(out))
-}
-
-/// `v[i] = f32(f16(v[i]))`; the slice conversions use F16C when the CPU
-/// has it.
-fn round_to_f16(v: &mut [f32]) {
-    let mut tmp = vec![f16::ZERO; v.len()];
-    tmp.convert_from_f32_slice(v);
-    tmp.convert_to_f32_slice(v);
-}
-
-fn widen(dst: &mut [f32], src: &Tensor) {
-    match src.dtype() {
-        DType::BF16 => dst
-            .par_chunks_mut(CHUNK)
-            .zip(src.bf16().par_chunks(CHUNK))
-            .for_each(|(d, s)| bf16_to_f32(d, bytemuck::cast_slice(s))),
-        DType::F16 => dst
-            .par_chunks_mut(CHUNK)
-            .zip(src.f16().par_chunks(CHUNK))
-            .for_each(|(d, s)| s.convert_to_f32_slice(d)),
-        DType::F32 => dst.copy_from_slice(src.f32()),
-        other => panic!("{}: cannot widen {other:?} to f32", src.tag()),
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use half::f16;
 
     #[test]
     fn rounding_matches_the_half_crate_and_store_is_lossless_after_it() {

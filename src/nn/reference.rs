@@ -21,10 +21,9 @@ pub fn collect_params(model: &mut ResNet) -> RefParams {
     let mut m = HashMap::new();
     model.visit_state(|slot| {
         if let StateSlot::Param { param, .. } = slot {
-            m.insert(
-                param.name.clone(),
-                param.value.f32().iter().map(|&v| v as f64).collect(),
-            );
+            // The reference reads a host copy, whatever the device.
+            let host = crate::backend::copy_to_host(&param.value).unwrap_or_default();
+            m.insert(param.name.clone(), host.iter().map(|&v| v as f64).collect());
         }
     });
     m

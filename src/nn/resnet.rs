@@ -258,11 +258,11 @@ impl Stage {
             });
             v(StateSlot::Buffer {
                 name: format!("{}.running_mean", b.name),
-                data: b.running_mean.f32_mut(),
+                tensor: &mut b.running_mean,
             });
             v(StateSlot::Buffer {
                 name: format!("{}.running_var", b.name),
-                data: b.running_var.f32_mut(),
+                tensor: &mut b.running_var,
             });
             v(StateSlot::Count {
                 name: format!("{}.num_batches_tracked", b.name),
@@ -359,9 +359,10 @@ pub enum StateSlot<'a> {
         torch_shape: Vec<usize>,
         layout: WeightLayout,
     },
+    /// A BN running statistic (f32, on the model's device).
     Buffer {
         name: String,
-        data: &'a mut [f32],
+        tensor: &'a mut Tensor,
     },
     Count {
         name: String,

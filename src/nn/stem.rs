@@ -6,12 +6,12 @@
 
 use rand::rngs::ChaCha8Rng;
 
+use crate::backend;
 use crate::error::{Error, Result};
 use crate::memory::{Category, Pool, Tag};
 use crate::nn::precision::{bf16_or_f32_view, f32_view, store};
 use crate::nn::{BatchNorm, BnStats, Conv, Mode, Precision};
-use crate::ops::maxpool::{self, PoolGeom};
-use crate::ops::relu;
+use crate::ops::maxpool::PoolGeom;
 use crate::tensor::{DType, Tensor};
 
 /// Which stem the network starts with.
@@ -143,7 +143,7 @@ impl Stem {
         let p = self.precision;
         let sp = if mode.saves() { p } else { Precision::F32 };
         if x.dtype() == DType::F32 {
-            p.round_tensor(pool, &mut x);
+            backend::round(&mut x, p)?;
         }
         let xv = f32_view(pool, &x)?;
         let y = self.conv1.forward(pool, &xv, "y")?;
@@ -156,9 +156,7 @@ impl Stem {
                 Category::Activations,
                 Tag::fixed("bn1.relu_mask"),
             )?;
-            if pool.computes() {
-                relu::relu_mask_forward(a.f32_mut(), mask.bits_mut());
-            }
+            backend::relu_mask_forward(&mut a, &mut mask)?;
             let a = store(pool, a, p)?;
             let saved = if mode.saves() {
                 Some(StemSaved {
@@ -182,10 +180,8 @@ impl Stem {
             Category::Activations,
             Tag::fixed("maxpool.out"),
         )?;
-        if pool.computes() {
-            // The max of rounded values needs no rounding.
-            maxpool::maxpool_forward(out.f32_mut(), a.f32(), &g);
-        }
+        // The max of rounded values needs no rounding.
+        backend::maxpool_forward(&mut out, &a, &g)?;
         let out = store(pool, out, p)?;
         let saved = if mode.saves() {
             let a = if self.recompute_bn_relu {
@@ -211,9 +207,7 @@ impl Stem {
         let yv = bf16_or_f32_view(pool, &y)?;
         let d_y = match tail {
             StemTail::Mask { mask } => {
-                if pool.computes() {
-                    relu::relu_mask_backward_inplace(d_out.f32_mut(), mask.bits());
-                }
+                backend::relu_mask_backward_inplace(&mut d_out, &mask)?;
                 drop(mask);
                 let d_y = self.bn1.backward(pool, &d_out, &yv, &bn, None)?;
                 drop(d_out);
@@ -233,15 +227,13 @@ impl Stem {
                 let (n, h, w, c) = av.shape().nhwc();
                 let mut d_a =
                     pool.empty_f32(av.dims(), Category::Activations, Tag::fixed("maxpool.dx"))?;
-                if pool.computes() {
-                    maxpool::maxpool_backward(
-                        d_a.f32_mut(),
-                        d_out.f32(),
-                        av.f32(),
-                        &Self::pool_geom(n, h, w, c),
-                    );
-                    self.precision.round(d_a.f32_mut());
-                }
+                backend::maxpool_backward(
+                    &mut d_a,
+                    &d_out,
+                    &av,
+                    &Self::pool_geom(n, h, w, c),
+                    self.precision,
+                )?;
                 drop(d_out);
                 let d_y = self.bn1.backward(pool, &d_a, &yv, &bn, Some(&av))?;
                 drop((d_a, av));

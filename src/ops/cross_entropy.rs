@@ -83,6 +83,18 @@ pub fn cross_entropy_ref(logits: &[f64], labels: &[usize], classes: usize, smoot
     total / n as f64
 }
 
+/// Index of the largest logit of each row.
+pub fn argmax_rows(logits: &[f32], classes: usize) -> Vec<usize> {
+    logits
+        .chunks_exact(classes)
+        .map(|row| {
+            row.iter()
+                .enumerate()
+                .fold(0, |best, (i, &v)| if v > row[best] { i } else { best })
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -18,6 +18,7 @@ pub mod conv2d;
 pub mod cross_entropy;
 pub mod linear;
 pub mod maxpool;
+pub mod optim_update;
 pub mod relu;
 
 #[cfg(test)]

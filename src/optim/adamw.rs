@@ -1,73 +1,10 @@
 //! AdamW (`torch.optim.AdamW`, decoupled weight decay, `amsgrad=False`).
 
-use super::widen;
+use crate::backend;
 use crate::error::Result;
 use crate::memory::{Category, Pool, Tag};
 use crate::nn::ResNet;
 use crate::tensor::Tensor;
-
-/// One AdamW update of one parameter tensor at step `t` (1-based, already
-/// incremented), in the order of PyTorch's `_single_tensor_adam`:
-///
-/// ```text
-/// w *= 1 - lr·wd                          (decoupled decay, first)
-/// m  = lerp(m, g, 1-β1)                    (= β1·m + (1-β1)·g)
-/// v  = β2·v + (1-β2)·g·g
-/// bc1 = 1 - β1^t,  bc2 = 1 - β2^t          (f64, like PyTorch's Python floats)
-/// denom = sqrt(v) / sqrt(bc2) + eps
-/// w += -(lr / bc1) · m / denom
-/// ```
-#[allow(clippy::too_many_arguments)]
-pub fn adamw_update(
-    w: &mut [f32],
-    g: &[f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    t: u64,
-    lr: f32,
-    beta1: f32,
-    beta2: f32,
-    eps: f32,
-    weight_decay: f32,
-) {
-    assert!(t >= 1, "adamw_update: step count starts at 1");
-    let n = w.len();
-    assert!(
-        g.len() == n && m.len() == n && v.len() == n,
-        "adamw_update: lengths"
-    );
-    let (lr64, b1, b2) = (widen(lr), widen(beta1), widen(beta2));
-    let decay = (1.0 - lr64 * widen(weight_decay)) as f32;
-    let w1 = (1.0 - b1) as f32; // lerp weight
-    let w2 = (1.0 - b2) as f32;
-    let b2f = beta2;
-    let ti = i32::try_from(t).unwrap_or(i32::MAX);
-    let bc1 = 1.0 - b1.powi(ti);
-    let bc2 = 1.0 - b2.powi(ti);
-    let neg_step = (-(lr64 / bc1)) as f32;
-    let bc2_sqrt = bc2.sqrt() as f32;
-    let apply_decay = weight_decay != 0.0;
-    for i in 0..n {
-        let gi = g[i];
-        let mut wi = w[i];
-        if apply_decay {
-            wi *= decay;
-        }
-        // torch lerp: weight < 0.5 ? self + weight*(end-self) : end - (end-self)*(1-weight)
-        let mi = m[i];
-        let mi = if w1.abs() < 0.5 {
-            mi + w1 * (gi - mi)
-        } else {
-            gi - (gi - mi) * (1.0 - w1)
-        };
-        let vi = v[i] * b2f + w2 * gi * gi;
-        let denom = vi.sqrt() / bc2_sqrt + eps;
-        wi += neg_step * mi / denom;
-        m[i] = mi;
-        v[i] = vi;
-        w[i] = wi;
-    }
-}
 
 /// `torch.optim.AdamW` over every model parameter (visit order). The first
 /// and second moments are allocated from the pool as [`Category::Optimizer`]
@@ -141,18 +78,21 @@ impl AdamW {
                 i += 1;
                 return;
             }
-            adamw_update(
-                p.value.f32_mut(),
-                p.grad.f32(),
-                ms[i].f32_mut(),
-                vs[i].f32_mut(),
+            if let Err(e) = backend::adamw_update(
+                &mut p.value,
+                &p.grad,
+                &mut ms[i],
+                &mut vs[i],
                 t,
                 lr,
                 b1,
                 b2,
                 eps,
                 wd,
-            );
+            ) {
+                err = Some(e);
+                return;
+            }
             i += 1;
         });
         if let Some(e) = err {
@@ -172,6 +112,7 @@ impl AdamW {
 mod tests {
     use super::*;
     use crate::nn::ResNetConfig;
+    use crate::ops::optim_update::adamw_update;
 
     #[test]
     fn first_step_moves_by_about_lr() {

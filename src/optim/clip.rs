@@ -1,14 +1,20 @@
 //! Gradient-norm clipping with `torch.nn.utils.clip_grad_norm_` semantics
 //! (L2 norm, `error_if_nonfinite=False`).
 
+use crate::backend;
+use crate::error::Result;
 use crate::nn::ResNet;
 
-/// Total L2 norm of all gradients: squares summed in f64, then the square
-/// root is rounded to f32.
-pub fn grad_norm(model: &mut ResNet) -> f32 {
+/// Total L2 norm of all gradients: squares summed in f64 (per tensor, then
+/// over tensors in visit order), then the square root is rounded to f32.
+pub fn grad_norm(model: &mut ResNet) -> Result<f32> {
     let mut sum = 0.0f64;
-    model.visit_params(|p| sum += sum_sq(p.grad.f32()));
-    sum.sqrt() as f32
+    let mut err = None;
+    model.visit_params(|p| match backend::sum_squares(&p.grad) {
+        Ok(s) => sum += s,
+        Err(e) => err = err.take().or(Some(e)),
+    });
+    err.map_or(Ok(sum.sqrt() as f32), Err)
 }
 
 /// The factor the gradients are multiplied by: `min(max_norm/(total+1e-6), 1)`
@@ -27,13 +33,21 @@ fn sum_sq(g: &[f32]) -> f64 {
 /// `min(max_norm / (total_norm + 1e-6), 1)` and returns the total norm
 /// BEFORE clipping. Call it after the last micro-batch's backward and
 /// before the optimizer step.
-pub fn clip_grad_norm(model: &mut ResNet, max_norm: f32) -> f32 {
-    let total = grad_norm(model);
+pub fn clip_grad_norm(model: &mut ResNet, max_norm: f32) -> Result<f32> {
+    let total = grad_norm(model)?;
     let c = clip_coef(max_norm, total);
     if c != 1.0 {
-        model.visit_params(|p| p.grad.f32_mut().iter_mut().for_each(|g| *g *= c));
+        let mut err = None;
+        model.visit_params(|p| {
+            if let Err(e) = backend::scale(&mut p.grad, c) {
+                err = err.take().or(Some(e));
+            }
+        });
+        if let Some(e) = err {
+            return Err(e);
+        }
     }
-    total
+    Ok(total)
 }
 
 /// [`clip_grad_norm`] over raw gradient slices.

@@ -12,11 +12,14 @@ pub mod clip;
 pub mod scaler;
 pub mod schedule;
 
-pub use adamw::{AdamW, adamw_update};
+pub(crate) use crate::ops::optim_update::widen;
+pub use crate::ops::optim_update::{adamw_update, sgd_update};
+pub use adamw::AdamW;
 pub use clip::{clip_grad_norm, clip_grad_norm_slices, grad_norm};
 pub use scaler::{GradScaler, ScalerStep};
 pub use schedule::{LrSchedule, Schedule};
 
+use crate::backend;
 use crate::error::Result;
 use crate::memory::{Category, Pool, Tag};
 use crate::nn::ResNet;
@@ -126,50 +129,6 @@ impl Optimizer {
     }
 }
 
-/// Widens a hyper-parameter the way a user typed it: `0.9f32` becomes the
-/// `f64` 0.9 (what PyTorch's Python float holds), not 0.89999997615814.
-/// Used for the scalars PyTorch computes in double precision.
-pub(crate) fn widen(x: f32) -> f64 {
-    format!("{x}").parse().unwrap_or(x as f64)
-}
-
-/// One SGD update of one parameter tensor, PyTorch's exact order:
-/// `d = g + wd·w`; momentum `μ != 0`: `buf = d` when `first`, else
-/// `buf = μ·buf + d` (dampening 0), then `d = d + μ·buf` (Nesterov) or
-/// `d = buf`; finally `w -= lr·d`. `buf` is ignored (may be `None`) when
-/// `momentum == 0`.
-#[allow(clippy::too_many_arguments)]
-pub fn sgd_update(
-    w: &mut [f32],
-    g: &[f32],
-    buf: Option<&mut [f32]>,
-    first: bool,
-    lr: f32,
-    momentum: f32,
-    weight_decay: f32,
-    nesterov: bool,
-) {
-    assert_eq!(w.len(), g.len(), "sgd_update: weight/grad length");
-    let (mu, wd) = (momentum, weight_decay);
-    match buf {
-        Some(buf) if mu != 0.0 => {
-            assert_eq!(buf.len(), w.len(), "sgd_update: buffer length");
-            for ((w, &g), b) in w.iter_mut().zip(g).zip(buf.iter_mut()) {
-                let d = g + wd * *w;
-                *b = if first { d } else { mu * *b + d };
-                let step = if nesterov { d + mu * *b } else { *b };
-                *w -= lr * step;
-            }
-        }
-        _ => {
-            assert!(mu == 0.0, "sgd_update: momentum needs a buffer");
-            for (w, &g) in w.iter_mut().zip(g) {
-                *w -= lr * (g + wd * *w);
-            }
-        }
-    }
-}
-
 /// SGD with PyTorch's exact update:
 /// `g = grad + wd·p`; `buf = g` on the first step, else `buf = μ·buf + g`
 /// (dampening 0); `g = g + μ·buf` if Nesterov else `buf`; `p -= lr·g`.
@@ -228,18 +187,14 @@ impl Sgd {
             let buf = if mu == 0.0 {
                 None
             } else {
-                Some(buffers[i].f32_mut())
+                Some(&mut buffers[i])
             };
-            sgd_update(
-                p.value.f32_mut(),
-                p.grad.f32(),
-                buf,
-                first,
-                lr,
-                mu,
-                wd,
-                nesterov,
-            );
+            if let Err(e) =
+                backend::sgd_update(&mut p.value, &p.grad, buf, first, lr, mu, wd, nesterov)
+            {
+                err = Some(e);
+                return;
+            }
             i += 1;
         });
         err.map_or(Ok(()), Err)

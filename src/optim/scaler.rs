@@ -5,6 +5,8 @@
 //! and the scale halves, and after `growth_interval` consecutive clean steps
 //! the scale doubles (`_amp_update_scale_`).
 
+use crate::backend;
+use crate::error::Result;
 use crate::nn::ResNet;
 
 /// PyTorch's defaults.
@@ -52,19 +54,20 @@ impl GradScaler {
     /// Multiplies every trainable gradient by 1/scale (PyTorch computes the
     /// reciprocal in double, then rounds it to float) and reports whether
     /// any unscaled value is inf or NaN.
-    pub fn unscale(&self, model: &mut ResNet) -> bool {
+    pub fn unscale(&self, model: &mut ResNet) -> Result<bool> {
         let inv = (1.0 / self.scale as f64) as f32;
         let mut found_inf = false;
+        let mut err = None;
         model.visit_params(|p| {
             if p.frozen {
                 return;
             }
-            for g in p.grad.f32_mut() {
-                *g *= inv;
-                found_inf |= !g.is_finite();
+            match backend::unscale(&mut p.grad, inv) {
+                Ok(inf) => found_inf |= inf,
+                Err(e) => err = err.take().or(Some(e)),
             }
         });
-        found_inf
+        err.map_or(Ok(found_inf), Err)
     }
 
     /// `_amp_update_scale_`: back off on inf, else count a clean step and

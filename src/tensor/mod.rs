@@ -8,6 +8,10 @@ use std::ptr::NonNull;
 
 use half::{bf16, f16};
 
+mod precision;
+
+pub use precision::Precision;
+
 use crate::memory::Lease;
 use crate::memory::arena::Place;
 
@@ -234,6 +238,11 @@ impl Tensor {
 
     pub fn dtype(&self) -> DType {
         self.storage().dtype()
+    }
+
+    /// The device this tensor's storage lives on.
+    pub fn device(&self) -> crate::device::Device {
+        self.lease.device()
     }
 
     /// Bytes of storage this tensor holds in the pool.

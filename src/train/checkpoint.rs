@@ -133,9 +133,18 @@ pub fn save_checkpoint(
         ))
     })?;
     let (buffers, steps) = optimizer.state();
-    let extras: Vec<(String, Vec<usize>, &[f32])> = buffers
+    // Host copies of the optimizer state, whatever device it lives on.
+    let mut host = Vec::with_capacity(buffers.len());
+    for (n, t) in &buffers {
+        host.push((
+            n.clone(),
+            t.dims().to_vec(),
+            crate::backend::copy_to_host(t)?,
+        ));
+    }
+    let extras: Vec<(String, Vec<usize>, &[f32])> = host
         .iter()
-        .map(|(n, t)| (n.clone(), t.dims().to_vec(), t.f32()))
+        .map(|(n, d, v)| (n.clone(), d.clone(), v.as_slice()))
         .collect();
     let mut meta = HashMap::from([
         ("memfit_checkpoint".to_string(), FORMAT_VERSION.to_string()),

@@ -12,12 +12,12 @@ use std::path::PathBuf;
 
 use rand::{SeedableRng, rngs::ChaCha8Rng, seq::SliceRandom};
 
+use crate::backend;
 use crate::data::{Dataset, Loader};
 use crate::error::{Error, Result};
 use crate::exec::{LossOptions, Plan, StepOutput, forward_backward, forward_eval};
 use crate::memory::{Category, MemoryStats, Pool, Tag, write_timeline_csv};
-use crate::nn::{ResNet, StateSlot};
-use crate::ops::cross_entropy::cross_entropy_forward_backward;
+use crate::nn::{Precision, ResNet, StateSlot};
 pub use crate::optim::Optimizer;
 use crate::optim::{GradScaler, LrSchedule, ScalerStep, clip_grad_norm};
 use crate::tensor::Tensor;
@@ -115,7 +115,7 @@ pub struct EpochReport {
 fn gather(pool: &Pool, (h, w): (usize, usize), images: &[f32]) -> Result<Tensor> {
     let n = images.len() / (h * w * 3).max(1);
     let mut t = pool.empty_f32(&[n, h, w, 3], Category::Data, Tag::fixed("batch.images"))?;
-    t.f32_mut().copy_from_slice(images);
+    backend::copy_from_host(&mut t, images)?;
     Ok(t)
 }
 
@@ -132,11 +132,11 @@ pub enum NanPolicy {
 }
 
 /// Whether every trainable gradient is finite.
-fn grads_finite(model: &mut ResNet) -> bool {
-    let mut ok = true;
+fn grads_finite(model: &mut ResNet) -> Result<bool> {
+    let mut ok = Ok(true);
     model.visit_params(|p| {
-        if ok && !p.frozen {
-            ok = p.grad.f32().iter().all(|g| g.is_finite());
+        if matches!(ok, Ok(true)) && !p.frozen {
+            ok = backend::all_finite(&p.grad);
         }
     });
     ok
@@ -151,24 +151,35 @@ struct BnState {
     counts: Vec<i64>,
 }
 
-/// Copies every batch norm running statistic and counter into `out`.
-fn save_buffers(model: &mut ResNet, out: &mut BnState) {
+/// Copies every batch norm running statistic and counter into `out` (on
+/// the host: the roll-back copy is small, and taken once per step only
+/// under `--nan-policy skip`).
+fn save_buffers(model: &mut ResNet, out: &mut BnState) -> Result<()> {
     out.stats.clear();
     out.counts.clear();
+    let mut res = Ok(());
     model.visit_state(|slot| match slot {
-        StateSlot::Buffer { data, .. } => out.stats.extend_from_slice(data),
+        StateSlot::Buffer { tensor, .. } => match backend::copy_to_host(tensor) {
+            Ok(v) => out.stats.extend_from_slice(&v),
+            Err(e) => res = Err(e),
+        },
         StateSlot::Count { value, .. } => out.counts.push(*value),
         StateSlot::Param { .. } => {}
     });
+    res
 }
 
 /// Puts back what [`save_buffers`] copied: a dropped step leaves no trace.
-fn restore_buffers(model: &mut ResNet, from: &BnState) {
+fn restore_buffers(model: &mut ResNet, from: &BnState) -> Result<()> {
     let (mut at, mut count) = (0, from.counts.iter());
+    let mut res = Ok(());
     model.visit_state(|slot| match slot {
-        StateSlot::Buffer { data, .. } => {
-            data.copy_from_slice(&from.stats[at..at + data.len()]);
-            at += data.len();
+        StateSlot::Buffer { tensor, .. } => {
+            let len = tensor.numel();
+            if let Err(e) = backend::copy_from_host(tensor, &from.stats[at..at + len]) {
+                res = Err(e);
+            }
+            at += len;
         }
         StateSlot::Count { value, .. } => {
             if let Some(c) = count.next() {
@@ -177,17 +188,20 @@ fn restore_buffers(model: &mut ResNet, from: &BnState) {
         }
         StateSlot::Param { .. } => {}
     });
+    res
 }
 
 /// Whether every batch norm running statistic is finite. A forward whose
 /// activations overflow can leave the loss and the gradients finite (the
 /// normalised output saturates) and still poison the running variance,
 /// which only evaluation would reveal.
-fn buffers_finite(model: &mut ResNet) -> bool {
-    let mut ok = true;
+fn buffers_finite(model: &mut ResNet) -> Result<bool> {
+    let mut ok = Ok(true);
     model.visit_state(|slot| {
-        if let StateSlot::Buffer { data, .. } = slot {
-            ok = ok && data.iter().all(|v| v.is_finite());
+        if let StateSlot::Buffer { tensor, .. } = slot
+            && matches!(ok, Ok(true))
+        {
+            ok = backend::all_finite(tensor);
         }
     });
     ok
@@ -199,8 +213,11 @@ fn inject_inf(model: &mut ResNet) {
     let mut done = false;
     model.visit_params(|p| {
         if !done && !p.frozen {
-            p.grad.f32_mut()[0] = f32::INFINITY;
-            done = true;
+            // A test hook, so a host round trip is fine.
+            if let Ok(mut g) = backend::copy_to_host(&p.grad) {
+                g[0] = f32::INFINITY;
+                done = backend::copy_from_host(&mut p.grad, &g).is_ok();
+            }
         }
     });
 }
@@ -249,14 +266,20 @@ pub fn evaluate(
                 Category::Workspace,
                 Tag::fixed("eval.d_logits"),
             )?;
-            loss += cross_entropy_forward_backward(
-                scratch.f32_mut(),
-                logits.f32(),
+            let n = labels.len();
+            let out = backend::cross_entropy(
+                &mut scratch,
+                &logits,
                 &labels,
-                classes,
                 0.0,
-            )? * labels.len() as f64;
-            for (row, &l) in logits.f32().chunks_exact(classes).zip(&labels) {
+                n,
+                None,
+                Precision::F32,
+            )?;
+            loss += out.loss * n as f64;
+            // The logits are small: top-k runs on a host copy.
+            let host_logits = backend::copy_to_host(&logits)?;
+            for (row, &l) in host_logits.chunks_exact(classes).zip(&labels) {
                 top1 += in_top_k(row, l, 1) as usize;
                 top5 += in_top_k(row, l, 5) as usize;
             }
@@ -442,7 +465,7 @@ fn fit_in<'scope, 'env>(
             // run; the forward has already moved the BN running statistics
             // by then, so keep them to put back.
             if scaler.is_none() {
-                save_buffers(model, &mut saved_buffers);
+                save_buffers(model, &mut saved_buffers)?;
             }
             // One optimizer step per window; the loss of every micro-batch
             // is normalised by the window's sample count, so an uneven last
@@ -486,16 +509,16 @@ fn fit_in<'scope, 'env>(
                 None
             } else if !out.loss.is_finite() {
                 Some("loss")
-            } else if !grads_finite(model) {
+            } else if !grads_finite(model)? {
                 Some("gradient")
-            } else if !buffers_finite(model) {
+            } else if !buffers_finite(model)? {
                 Some("batch norm running statistic")
             } else {
                 None
             };
             let non_finite = bad.is_some();
             if non_finite {
-                restore_buffers(model, &saved_buffers);
+                restore_buffers(model, &saved_buffers)?;
             }
             if let Some(what) = bad
                 && opts.nan_policy == NanPolicy::Stop
@@ -519,19 +542,24 @@ fn fit_in<'scope, 'env>(
                 );
             }
             // Unscale exactly once per optimizer step, before clipping.
-            let scaled = scaler.as_mut().map(|s| {
-                let found_inf = s.unscale(model);
-                ScalerStep {
-                    scale: s.scale,
-                    found_inf,
-                    skipped: found_inf,
+            let scaled = match scaler.as_mut() {
+                Some(s) => {
+                    let found_inf = s.unscale(model)?;
+                    Some(ScalerStep {
+                        scale: s.scale,
+                        found_inf,
+                        skipped: found_inf,
+                    })
                 }
-            });
+                None => None,
+            };
             let skip = non_finite || scaled.is_some_and(|s| s.skipped);
             let grad_norm = if skip {
                 None
             } else {
-                opts.clip_grad_norm.map(|max| clip_grad_norm(model, max))
+                opts.clip_grad_norm
+                    .map(|max| clip_grad_norm(model, max))
+                    .transpose()?
             };
             if !skip {
                 optimizer.step(pool, model)?;
