@@ -30,14 +30,7 @@ const SEGMENT_ALIGN: usize = 4096;
 /// instead of becoming a free block of its own: slivers only fragment.
 const MIN_SPLIT: usize = 4096;
 
-/// Where a block lives.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Place {
-    segment: usize,
-    offset: usize,
-    /// The block's size, at least the bytes requested.
-    pub(crate) bytes: usize,
-}
+pub(crate) use crate::tensor::Place;
 
 struct Block {
     bytes: usize,

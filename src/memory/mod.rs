@@ -30,7 +30,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 pub use crate::accounting::{BudgetReport, ByCategory, Category, Tag, fmt_bytes};
 use crate::device::{Device, Target};
 use crate::error::{Error, Result};
-use crate::tensor::{DType, Shape, Storage, Tensor};
+use crate::tensor::{DType, Lease, Lender, Shape, Storage, Tensor};
 use arena::{Arena, block_size};
 
 /// Segment size of a pool without a budget: large enough that a ResNet-50
@@ -224,9 +224,7 @@ impl Pool {
     }
 
     fn lock(&self) -> MutexGuard<'_, PoolState> {
-        // A panic while holding the lock leaves counters that are still
-        // consistent (each update is a few integer writes), so recover.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.state)
     }
 
     pub fn set_budget(&self, budget: Option<usize>) {
@@ -408,16 +406,23 @@ impl Pool {
             },
         );
         drop(s);
-        let lease = Lease {
-            pool: self.clone(),
-            id,
-            bytes,
-        };
+        let lender: Arc<dyn Lender> = self.state.clone();
+        let lease = Lease::new(lender, id, bytes, self.device);
         Ok(Tensor::from_parts(shape, storage, lease))
     }
+}
 
-    fn release(&self, id: u64, storage: Storage) {
-        let mut s = self.lock();
+/// Locks a pool's state. A panic while holding the lock leaves counters
+/// that are still consistent (each update is a few integer writes), so
+/// recover.
+fn lock(state: &Mutex<PoolState>) -> MutexGuard<'_, PoolState> {
+    state.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The pool's side of a tensor's loan: storage comes back here.
+impl Lender for Mutex<PoolState> {
+    fn give_back(&self, id: u64, storage: Storage) {
+        let mut s = lock(self);
         let Some(entry) = s.entries.remove(&id) else {
             return;
         };
@@ -443,49 +448,18 @@ impl Pool {
     }
 
     fn meta_of(&self, id: u64) -> Option<(Tag, Category)> {
-        self.lock()
+        lock(self)
             .entries
             .get(&id)
             .map(|e| (e.tag.clone(), e.category))
     }
 
     fn tag_of(&self, id: u64) -> String {
-        self.lock()
+        lock(self)
             .entries
             .get(&id)
             .map(|e| e.tag.to_string())
             .unwrap_or_else(|| format!("#{id}"))
-    }
-}
-
-/// A tensor's claim on pool storage; returns it on release.
-pub struct Lease {
-    pool: Pool,
-    id: u64,
-    bytes: usize,
-}
-
-impl Lease {
-    pub fn bytes(&self) -> usize {
-        self.bytes
-    }
-
-    pub fn tag(&self) -> String {
-        self.pool.tag_of(self.id)
-    }
-
-    /// The device the storage lives on.
-    pub fn device(&self) -> Device {
-        self.pool.device
-    }
-
-    /// The tag and category the storage was allocated under.
-    pub(crate) fn meta(&self) -> Option<(Tag, Category)> {
-        self.pool.meta_of(self.id)
-    }
-
-    pub(crate) fn release(&self, storage: Storage) {
-        self.pool.release(self.id, storage);
     }
 }
 

@@ -12,8 +12,10 @@ mod precision;
 
 pub use precision::Precision;
 
-use crate::memory::Lease;
-use crate::memory::arena::Place;
+use std::sync::Arc;
+
+use crate::accounting::{Category, Tag};
+use crate::device::Device;
 
 /// Element type of a tensor's storage.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -97,6 +99,66 @@ impl Shape {
 impl std::fmt::Debug for Shape {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{:?}", self.dims())
+    }
+}
+
+/// Where a block of pool memory lives (the pool's arena hands these out).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Place {
+    pub(crate) segment: usize,
+    pub(crate) offset: usize,
+    /// The block's size, at least the bytes requested.
+    pub(crate) bytes: usize,
+}
+
+/// The pool's side of a loan, as a tensor sees it. `memory` implements it,
+/// so a tensor can give its storage back without `tensor` importing the
+/// pool (which imports `tensor`).
+pub(crate) trait Lender: Send + Sync {
+    /// Takes back the storage of loan `id` and its bytes.
+    fn give_back(&self, id: u64, storage: Storage);
+    fn meta_of(&self, id: u64) -> Option<(Tag, Category)>;
+    fn tag_of(&self, id: u64) -> String;
+}
+
+/// A tensor's claim on pool storage; returns it on release.
+pub struct Lease {
+    lender: Arc<dyn Lender>,
+    id: u64,
+    bytes: usize,
+    device: Device,
+}
+
+impl Lease {
+    pub(crate) fn new(lender: Arc<dyn Lender>, id: u64, bytes: usize, device: Device) -> Self {
+        Lease {
+            lender,
+            id,
+            bytes,
+            device,
+        }
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    pub fn tag(&self) -> String {
+        self.lender.tag_of(self.id)
+    }
+
+    /// The device the storage lives on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// The tag and category the storage was allocated under.
+    pub(crate) fn meta(&self) -> Option<(Tag, Category)> {
+        self.lender.meta_of(self.id)
+    }
+
+    pub(crate) fn release(&self, storage: Storage) {
+        self.lender.give_back(self.id, storage);
     }
 }
 
@@ -241,7 +303,7 @@ impl Tensor {
     }
 
     /// The device this tensor's storage lives on.
-    pub fn device(&self) -> crate::device::Device {
+    pub fn device(&self) -> Device {
         self.lease.device()
     }
 
@@ -255,11 +317,10 @@ impl Tensor {
     }
 
     /// The tag and category this tensor's storage was allocated under.
-    pub fn meta(&self) -> (crate::memory::Tag, crate::memory::Category) {
-        self.lease.meta().unwrap_or((
-            crate::memory::Tag::fixed("?"),
-            crate::memory::Category::Workspace,
-        ))
+    pub fn meta(&self) -> (Tag, Category) {
+        self.lease
+            .meta()
+            .unwrap_or((Tag::fixed("?"), Category::Workspace))
     }
 
     /// Reinterpret with a new shape of the same element count.
