@@ -14,7 +14,9 @@ pub use block::{BasicBlock, BasicSaved, Bottleneck, BottleneckSaved};
 pub use head::{Head, HeadSaved};
 pub use layers::{BatchNorm, BnStats, Conv, Linear};
 pub use precision::Precision;
-pub use resnet::{BlockKind, ResNet, ResNetConfig, Saved, Stage, StateSlot, WeightLayout};
+pub use resnet::{
+    BlockKind, LayerMut, ResNet, ResNetConfig, Saved, Stage, StateSlot, WeightLayout,
+};
 pub use stem::{Stem, StemKind, StemSaved};
 
 use rand::{RngExt, rngs::ChaCha8Rng};

@@ -6,8 +6,8 @@ use rand::{SeedableRng, rngs::ChaCha8Rng};
 use crate::error::{Error, Result};
 use crate::memory::Pool;
 use crate::nn::{
-    BasicBlock, BasicSaved, BnPolicy, Bottleneck, BottleneckSaved, Head, HeadSaved, Mode, Param,
-    Precision, Stem, StemKind, StemSaved,
+    BasicBlock, BasicSaved, BatchNorm, BnPolicy, Bottleneck, BottleneckSaved, Conv, Head,
+    HeadSaved, Linear, Mode, Param, Precision, Stem, StemKind, StemSaved,
 };
 use crate::tensor::Tensor;
 
@@ -235,76 +235,116 @@ impl Stage {
         }
     }
 
-    fn visit(&mut self, v: &mut dyn FnMut(StateSlot<'_>)) {
-        use crate::nn::{BatchNorm, Conv};
-        fn conv(c: &mut Conv, v: &mut dyn FnMut(StateSlot<'_>)) {
-            v(StateSlot::Param {
-                param: &mut c.weight,
-                torch_shape: vec![c.cout, c.cin, c.k, c.k],
-                layout: WeightLayout::Hwio,
-            });
-        }
-        fn bn(b: &mut BatchNorm, v: &mut dyn FnMut(StateSlot<'_>)) {
-            let c = b.c;
-            v(StateSlot::Param {
-                param: &mut b.weight,
-                torch_shape: vec![c],
-                layout: WeightLayout::Plain,
-            });
-            v(StateSlot::Param {
-                param: &mut b.bias,
-                torch_shape: vec![c],
-                layout: WeightLayout::Plain,
-            });
-            v(StateSlot::Buffer {
-                name: format!("{}.running_mean", b.name),
-                tensor: &mut b.running_mean,
-            });
-            v(StateSlot::Buffer {
-                name: format!("{}.running_var", b.name),
-                tensor: &mut b.running_var,
-            });
-            v(StateSlot::Count {
-                name: format!("{}.num_batches_tracked", b.name),
-                value: &mut b.num_batches_tracked,
-            });
-        }
+    /// Every layer of the stage in torchvision's state_dict order, and the
+    /// stage's own settings first: the one walk that precision, BN policy,
+    /// recomputation and the state_dict visitor share.
+    fn walk(&mut self, v: &mut dyn FnMut(LayerMut<'_>)) {
         match self {
             Stage::Stem(s) => {
-                conv(&mut s.conv1, v);
-                bn(&mut s.bn1, v);
+                v(LayerMut::Stage {
+                    precision: &mut s.precision,
+                    recompute_bn_relu: Some(&mut s.recompute_bn_relu),
+                });
+                v(LayerMut::Conv(&mut s.conv1));
+                v(LayerMut::BatchNorm(&mut s.bn1));
             }
             Stage::Basic(b) => {
-                conv(&mut b.conv1, v);
-                bn(&mut b.bn1, v);
-                conv(&mut b.conv2, v);
-                bn(&mut b.bn2, v);
+                v(LayerMut::Stage {
+                    precision: &mut b.precision,
+                    recompute_bn_relu: Some(&mut b.recompute_bn_relu),
+                });
+                v(LayerMut::Conv(&mut b.conv1));
+                v(LayerMut::BatchNorm(&mut b.bn1));
+                v(LayerMut::Conv(&mut b.conv2));
+                v(LayerMut::BatchNorm(&mut b.bn2));
                 if let Some(d) = b.downsample.as_mut() {
-                    conv(&mut d.conv, v);
-                    bn(&mut d.bn, v);
+                    v(LayerMut::Conv(&mut d.conv));
+                    v(LayerMut::BatchNorm(&mut d.bn));
                 }
             }
             Stage::Bottleneck(b) => {
-                conv(&mut b.conv1, v);
-                bn(&mut b.bn1, v);
-                conv(&mut b.conv2, v);
-                bn(&mut b.bn2, v);
-                conv(&mut b.conv3, v);
-                bn(&mut b.bn3, v);
+                v(LayerMut::Stage {
+                    precision: &mut b.precision,
+                    recompute_bn_relu: Some(&mut b.recompute_bn_relu),
+                });
+                v(LayerMut::Conv(&mut b.conv1));
+                v(LayerMut::BatchNorm(&mut b.bn1));
+                v(LayerMut::Conv(&mut b.conv2));
+                v(LayerMut::BatchNorm(&mut b.bn2));
+                v(LayerMut::Conv(&mut b.conv3));
+                v(LayerMut::BatchNorm(&mut b.bn3));
                 if let Some(d) = b.downsample.as_mut() {
-                    conv(&mut d.conv, v);
-                    bn(&mut d.bn, v);
+                    v(LayerMut::Conv(&mut d.conv));
+                    v(LayerMut::BatchNorm(&mut d.bn));
                 }
             }
             Stage::Head(hd) => {
-                let (o, i) = (hd.fc.fout, hd.fc.fin);
+                v(LayerMut::Stage {
+                    precision: &mut hd.precision,
+                    recompute_bn_relu: None,
+                });
+                v(LayerMut::Linear(&mut hd.fc));
+            }
+        }
+    }
+}
+
+/// One item of a stage's walk ([`ResNet::walk_layers`]).
+pub enum LayerMut<'a> {
+    /// The stage's own settings (the head recomputes nothing).
+    Stage {
+        precision: &'a mut Precision,
+        recompute_bn_relu: Option<&'a mut bool>,
+    },
+    Conv(&'a mut Conv),
+    BatchNorm(&'a mut BatchNorm),
+    Linear(&'a mut Linear),
+}
+
+impl LayerMut<'_> {
+    /// The state_dict entries of this layer, in torchvision order.
+    fn state(self, v: &mut dyn FnMut(StateSlot<'_>)) {
+        match self {
+            LayerMut::Stage { .. } => {}
+            LayerMut::Conv(c) => v(StateSlot::Param {
+                param: &mut c.weight,
+                torch_shape: vec![c.cout, c.cin, c.k, c.k],
+                layout: WeightLayout::Hwio,
+            }),
+            LayerMut::BatchNorm(b) => {
+                let c = b.c;
                 v(StateSlot::Param {
-                    param: &mut hd.fc.weight,
+                    param: &mut b.weight,
+                    torch_shape: vec![c],
+                    layout: WeightLayout::Plain,
+                });
+                v(StateSlot::Param {
+                    param: &mut b.bias,
+                    torch_shape: vec![c],
+                    layout: WeightLayout::Plain,
+                });
+                v(StateSlot::Buffer {
+                    name: format!("{}.running_mean", b.name),
+                    tensor: &mut b.running_mean,
+                });
+                v(StateSlot::Buffer {
+                    name: format!("{}.running_var", b.name),
+                    tensor: &mut b.running_var,
+                });
+                v(StateSlot::Count {
+                    name: format!("{}.num_batches_tracked", b.name),
+                    value: &mut b.num_batches_tracked,
+                });
+            }
+            LayerMut::Linear(l) => {
+                let (o, i) = (l.fout, l.fin);
+                v(StateSlot::Param {
+                    param: &mut l.weight,
                     torch_shape: vec![o, i],
                     layout: WeightLayout::Plain,
                 });
                 v(StateSlot::Param {
-                    param: &mut hd.fc.bias,
+                    param: &mut l.bias,
                     torch_shape: vec![o],
                     layout: WeightLayout::Plain,
                 });
@@ -434,8 +474,14 @@ impl ResNet {
 
     /// Visit every state_dict entry in torchvision order.
     pub fn visit_state(&mut self, mut v: impl FnMut(StateSlot<'_>)) {
+        self.walk_layers(|layer| layer.state(&mut v));
+    }
+
+    /// Every stage's settings and layers, stage by stage, each in
+    /// torchvision's state_dict order.
+    pub fn walk_layers(&mut self, mut v: impl FnMut(LayerMut<'_>)) {
         for s in &mut self.stages {
-            s.visit(&mut v);
+            s.walk(&mut v);
         }
     }
 
@@ -459,76 +505,24 @@ impl ResNet {
     }
 
     pub fn set_bn_policy(&mut self, policy: BnPolicy) {
-        fn set(b: &mut crate::nn::BatchNorm, p: BnPolicy) {
-            b.policy = p;
-            b.weight.frozen = p == BnPolicy::Frozen;
-            b.bias.frozen = p == BnPolicy::Frozen;
-        }
-        for s in &mut self.stages {
-            match s {
-                Stage::Stem(st) => set(&mut st.bn1, policy),
-                Stage::Basic(b) => {
-                    set(&mut b.bn1, policy);
-                    set(&mut b.bn2, policy);
-                    if let Some(d) = b.downsample.as_mut() {
-                        set(&mut d.bn, policy);
-                    }
-                }
-                Stage::Bottleneck(b) => {
-                    set(&mut b.bn1, policy);
-                    set(&mut b.bn2, policy);
-                    set(&mut b.bn3, policy);
-                    if let Some(d) = b.downsample.as_mut() {
-                        set(&mut d.bn, policy);
-                    }
-                }
-                Stage::Head(_) => {}
+        self.walk_layers(|layer| {
+            if let LayerMut::BatchNorm(b) = layer {
+                b.policy = policy;
+                b.weight.frozen = policy == BnPolicy::Frozen;
+                b.bias.frozen = policy == BnPolicy::Frozen;
             }
-        }
+        });
     }
 
     /// Compute and storage type of activations (see [`Precision`]).
     pub fn set_precision(&mut self, p: Precision) {
         self.config.precision = p;
-        for s in &mut self.stages {
-            match s {
-                Stage::Stem(st) => {
-                    st.precision = p;
-                    st.conv1.precision = p;
-                    st.bn1.precision = p;
-                }
-                Stage::Basic(b) => {
-                    b.precision = p;
-                    for c in [&mut b.conv1, &mut b.conv2] {
-                        c.precision = p;
-                    }
-                    for n in [&mut b.bn1, &mut b.bn2] {
-                        n.precision = p;
-                    }
-                    if let Some(d) = b.downsample.as_mut() {
-                        d.conv.precision = p;
-                        d.bn.precision = p;
-                    }
-                }
-                Stage::Bottleneck(b) => {
-                    b.precision = p;
-                    for c in [&mut b.conv1, &mut b.conv2, &mut b.conv3] {
-                        c.precision = p;
-                    }
-                    for n in [&mut b.bn1, &mut b.bn2, &mut b.bn3] {
-                        n.precision = p;
-                    }
-                    if let Some(d) = b.downsample.as_mut() {
-                        d.conv.precision = p;
-                        d.bn.precision = p;
-                    }
-                }
-                Stage::Head(h) => {
-                    h.precision = p;
-                    h.fc.precision = p;
-                }
-            }
-        }
+        self.walk_layers(|layer| match layer {
+            LayerMut::Stage { precision, .. } => *precision = p,
+            LayerMut::Conv(c) => c.precision = p,
+            LayerMut::BatchNorm(b) => b.precision = p,
+            LayerMut::Linear(l) => l.precision = p,
+        });
     }
 
     pub fn precision(&self) -> Precision {
@@ -539,14 +533,15 @@ impl ResNet {
     /// keeping them (the head has none).
     pub fn set_recompute_bn_relu(&mut self, on: bool) {
         self.config.recompute_bn_relu = on;
-        for s in &mut self.stages {
-            match s {
-                Stage::Stem(st) => st.recompute_bn_relu = on,
-                Stage::Basic(b) => b.recompute_bn_relu = on,
-                Stage::Bottleneck(b) => b.recompute_bn_relu = on,
-                Stage::Head(_) => {}
+        self.walk_layers(|layer| {
+            if let LayerMut::Stage {
+                recompute_bn_relu: Some(r),
+                ..
+            } = layer
+            {
+                *r = on;
             }
-        }
+        });
     }
 
     /// Input (h, w) of every stage for an (h, w) image, and the final shape.
