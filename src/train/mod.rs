@@ -5,9 +5,9 @@
 //! evaluation in a metrics file.
 
 pub mod checkpoint;
+pub mod metrics;
+pub mod step;
 
-use std::fs::File;
-use std::io::{BufWriter, Write};
 use std::path::PathBuf;
 
 use rand::{SeedableRng, rngs::ChaCha8Rng, seq::SliceRandom};
@@ -15,12 +15,13 @@ use rand::{SeedableRng, rngs::ChaCha8Rng, seq::SliceRandom};
 use crate::backend;
 use crate::data::{Dataset, Loader};
 use crate::error::{Error, Result};
-use crate::exec::{LossOptions, Plan, StepOutput, forward_backward, forward_eval};
+use crate::exec::{Plan, forward_eval};
 use crate::memory::{Category, MemoryStats, Pool, Tag, write_timeline_csv};
-use crate::nn::{Precision, ResNet, StateSlot};
+use crate::nn::{Precision, ResNet};
 pub use crate::optim::Optimizer;
-use crate::optim::{GradScaler, LrSchedule, ScalerStep, clip_grad_norm};
-use crate::tensor::Tensor;
+use crate::optim::{GradScaler, LrSchedule};
+use metrics::MetricsWriter;
+use step::{StepPolicy, TrainStep, gather};
 
 pub struct TrainOptions {
     pub epochs: usize,
@@ -110,15 +111,6 @@ pub struct EpochReport {
     pub skipped: usize,
 }
 
-/// Copies loaded images (n, h, w, 3) into a pool tensor, where the budget
-/// sees them.
-fn gather(pool: &Pool, (h, w): (usize, usize), images: &[f32]) -> Result<Tensor> {
-    let n = images.len() / (h * w * 3).max(1);
-    let mut t = pool.empty_f32(&[n, h, w, 3], Category::Data, Tag::fixed("batch.images"))?;
-    backend::copy_from_host(&mut t, images)?;
-    Ok(t)
-}
-
 /// `--nan-policy`: what a non-finite loss or gradient does (fp32, bf16;
 /// f16's loss scaler handles overflow itself).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -129,97 +121,6 @@ pub enum NanPolicy {
     Stop,
     /// Drop the step (no optimizer update) with a warning and go on.
     Skip,
-}
-
-/// Whether every trainable gradient is finite.
-fn grads_finite(model: &mut ResNet) -> Result<bool> {
-    let mut ok = Ok(true);
-    model.visit_params(|p| {
-        if matches!(ok, Ok(true)) && !p.frozen {
-            ok = backend::all_finite(&p.grad);
-        }
-    });
-    ok
-}
-
-/// What a forward changes besides the saved tensors: the batch norm running
-/// statistics and `num_batches_tracked`. Kept across steps (cleared and
-/// refilled, so steady-state steps allocate nothing).
-#[derive(Default)]
-struct BnState {
-    stats: Vec<f32>,
-    counts: Vec<i64>,
-}
-
-/// Copies every batch norm running statistic and counter into `out` (on
-/// the host: the roll-back copy is small, and taken once per step only
-/// under `--nan-policy skip`).
-fn save_buffers(model: &mut ResNet, out: &mut BnState) -> Result<()> {
-    out.stats.clear();
-    out.counts.clear();
-    let mut res = Ok(());
-    model.visit_state(|slot| match slot {
-        StateSlot::Buffer { tensor, .. } => match backend::copy_to_host(tensor) {
-            Ok(v) => out.stats.extend_from_slice(&v),
-            Err(e) => res = Err(e),
-        },
-        StateSlot::Count { value, .. } => out.counts.push(*value),
-        StateSlot::Param { .. } => {}
-    });
-    res
-}
-
-/// Puts back what [`save_buffers`] copied: a dropped step leaves no trace.
-fn restore_buffers(model: &mut ResNet, from: &BnState) -> Result<()> {
-    let (mut at, mut count) = (0, from.counts.iter());
-    let mut res = Ok(());
-    model.visit_state(|slot| match slot {
-        StateSlot::Buffer { tensor, .. } => {
-            let len = tensor.numel();
-            if let Err(e) = backend::copy_from_host(tensor, &from.stats[at..at + len]) {
-                res = Err(e);
-            }
-            at += len;
-        }
-        StateSlot::Count { value, .. } => {
-            if let Some(c) = count.next() {
-                *value = *c;
-            }
-        }
-        StateSlot::Param { .. } => {}
-    });
-    res
-}
-
-/// Whether every batch norm running statistic is finite. A forward whose
-/// activations overflow can leave the loss and the gradients finite (the
-/// normalised output saturates) and still poison the running variance,
-/// which only evaluation would reveal.
-fn buffers_finite(model: &mut ResNet) -> Result<bool> {
-    let mut ok = Ok(true);
-    model.visit_state(|slot| {
-        if let StateSlot::Buffer { tensor, .. } = slot
-            && matches!(ok, Ok(true))
-        {
-            ok = backend::all_finite(tensor);
-        }
-    });
-    ok
-}
-
-/// The test hook of [`TrainOptions::inject_inf_steps`]: the first trainable
-/// gradient element becomes inf.
-fn inject_inf(model: &mut ResNet) {
-    let mut done = false;
-    model.visit_params(|p| {
-        if !done && !p.frozen {
-            // A test hook, so a host round trip is fine.
-            if let Ok(mut g) = backend::copy_to_host(&p.grad) {
-                g[0] = f32::INFINITY;
-                done = backend::copy_from_host(&mut p.grad, &g).is_ok();
-            }
-        }
-    });
 }
 
 /// Whether `label` is among the `k` largest logits of `row` (ties count
@@ -304,26 +205,6 @@ pub fn evaluate(
     })
 }
 
-/// A JSON number, or null for NaN/inf (which JSON cannot hold).
-fn num(v: f64) -> String {
-    if v.is_finite() {
-        format!("{v}")
-    } else {
-        "null".into()
-    }
-}
-
-fn memory_fields(m: &MemoryStats, predicted: Option<usize>) -> String {
-    let mut s = format!("\"peak_bytes\":{}", m.peak_total);
-    if let Some(p) = predicted {
-        s += &format!(",\"predicted_peak_bytes\":{p}");
-    }
-    for c in Category::ALL {
-        s += &format!(",\"peak_{}_bytes\":{}", c.name(), m.peak.get(c));
-    }
-    s
-}
-
 /// One epoch's bar: `epoch 3 [=====>    ] 120/469 loss …, lr …, img/s, peak …`.
 fn progress_bar(on: bool, steps: usize, epoch: usize) -> indicatif::ProgressBar {
     if !on {
@@ -371,43 +252,30 @@ fn fit_in<'scope, 'env>(
     if train.is_empty() {
         return Err(Error::invalid("train", "the training set is empty"));
     }
-    let mut metrics = match &opts.metrics_jsonl {
-        Some(p) => Some(BufWriter::new(
-            File::options()
-                .create(true)
-                .append(true)
-                .open(p)
-                .map_err(|e| Error::Io {
-                    path: p.display().to_string(),
-                    reason: e.to_string(),
-                })?,
-        )),
-        None => None,
-    };
-    let metrics_err = |e: std::io::Error| Error::Io {
-        path: opts
-            .metrics_jsonl
-            .as_ref()
-            .map(|p| p.display().to_string())
-            .unwrap_or_default(),
-        reason: e.to_string(),
-    };
-    let plan = match &opts.plan {
-        Some(p) => p.clone(),
-        None => Plan::keep_all(model),
-    };
+    let mut metrics = MetricsWriter::open(opts.metrics_jsonl.as_deref())?;
     let micro = opts
         .micro_batch
         .unwrap_or(opts.batch_size)
         .clamp(1, opts.batch_size);
+    let mut trainer = TrainStep::new(
+        StepPolicy {
+            plan: match &opts.plan {
+                Some(p) => p.clone(),
+                None => Plan::keep_all(model),
+            },
+            micro_batch: micro,
+            label_smoothing: opts.label_smoothing,
+            clip_grad_norm: opts.clip_grad_norm,
+            nan_policy: opts.nan_policy,
+        },
+        opts.scaler.clone(),
+    );
     let mut rng = ChaCha8Rng::seed_from_u64(opts.seed);
-    let mut scaler = opts.scaler.clone();
     let mut reports = Vec::new();
     if opts.memory_trace.is_some() {
         pool.record_timeline(true);
     }
     let mut step = 0;
-    let mut saved_buffers = BnState::default();
     let save = |dir: &PathBuf,
                 model: &mut ResNet,
                 optimizer: &Optimizer,
@@ -460,112 +328,39 @@ fn fit_in<'scope, 'env>(
             if opts.max_steps.is_some_and(|m| step >= m) {
                 break;
             }
-            model.zero_grad();
-            // Without a scaler a non-finite step is dropped or stops the
-            // run; the forward has already moved the BN running statistics
-            // by then, so keep them to put back.
-            if scaler.is_none() {
-                save_buffers(model, &mut saved_buffers)?;
-            }
-            // One optimizer step per window; the loss of every micro-batch
-            // is normalised by the window's sample count, so an uneven last
-            // window weighs each sample as a full one would.
-            let mut out = StepOutput {
-                loss: 0.0,
-                correct: 0,
-            };
-            let px = batch.images.len() / n;
-            for (micro_images, labels) in batch
-                .images
-                .chunks(micro * px)
-                .zip(batch.labels.chunks(micro))
-            {
-                let images = gather(pool, train.image_hw(), micro_images)?;
-                let o = forward_backward(
+            step += 1;
+            let out = trainer
+                .run(
                     model,
                     pool,
-                    &plan,
-                    images,
-                    labels,
-                    LossOptions {
-                        label_smoothing: opts.label_smoothing,
-                        window_samples: Some(n),
-                        scale: scaler.as_ref().map(|s| s.scale),
-                    },
-                )?;
-                out.loss += o.loss * labels.len() as f64 / n as f64;
-                out.correct += o.correct;
-            }
-            step += 1;
-            if opts.inject_inf_steps.contains(&step) {
-                inject_inf(model);
-            }
-            // The scaler decides about non-finite values under f16: the
-            // step is skipped and the scale backs off. Without one, a
-            // non-finite loss or gradient stops the run before it reaches
-            // the weights (the last checkpoint stays the last good one), or
-            // with `NanPolicy::Skip` the step is dropped.
-            let bad = if scaler.is_some() {
-                None
-            } else if !out.loss.is_finite() {
-                Some("loss")
-            } else if !grads_finite(model)? {
-                Some("gradient")
-            } else if !buffers_finite(model)? {
-                Some("batch norm running statistic")
-            } else {
-                None
-            };
-            let non_finite = bad.is_some();
-            if non_finite {
-                restore_buffers(model, &saved_buffers)?;
-            }
-            if let Some(what) = bad
-                && opts.nan_policy == NanPolicy::Stop
-            {
-                return Err(Error::NonFiniteLoss {
+                    optimizer,
+                    &batch.images,
+                    train.image_hw(),
+                    &batch.labels,
                     step,
-                    loss: out.loss as f32,
-                    what,
-                    last_good: opts
-                        .save_dir
-                        .as_deref()
-                        .and_then(checkpoint::newest_checkpoint)
-                        .map(|p| p.display().to_string()),
-                });
-            }
-            if non_finite {
+                    opts.inject_inf_steps.contains(&step),
+                )
+                .map_err(|e| match e {
+                    // The last saved state stays the last good one.
+                    Error::NonFiniteLoss {
+                        step, loss, what, ..
+                    } => Error::NonFiniteLoss {
+                        step,
+                        loss,
+                        what,
+                        last_good: opts
+                            .save_dir
+                            .as_deref()
+                            .and_then(checkpoint::newest_checkpoint)
+                            .map(|p| p.display().to_string()),
+                    },
+                    other => other,
+                })?;
+            if let Some(what) = out.dropped {
                 eprintln!(
-                    "warning: step {step}: non-finite {} (loss {}), step skipped",
-                    bad.unwrap_or("value"),
+                    "warning: step {step}: non-finite {what} (loss {}), step skipped",
                     out.loss
                 );
-            }
-            // Unscale exactly once per optimizer step, before clipping.
-            let scaled = match scaler.as_mut() {
-                Some(s) => {
-                    let found_inf = s.unscale(model)?;
-                    Some(ScalerStep {
-                        scale: s.scale,
-                        found_inf,
-                        skipped: found_inf,
-                    })
-                }
-                None => None,
-            };
-            let skip = non_finite || scaled.is_some_and(|s| s.skipped);
-            let grad_norm = if skip {
-                None
-            } else {
-                opts.clip_grad_norm
-                    .map(|max| clip_grad_norm(model, max))
-                    .transpose()?
-            };
-            if !skip {
-                optimizer.step(pool, model)?;
-            }
-            if let (Some(s), Some(st)) = (scaler.as_mut(), scaled) {
-                s.update(st.found_inf);
             }
             if step == TRACE_STEPS
                 && let Some(path) = &opts.memory_trace
@@ -586,38 +381,19 @@ fn fit_in<'scope, 'env>(
                 seen as f64 / start.elapsed().as_secs_f64(),
                 crate::memory::fmt_bytes(pool.stats().peak_total)
             ));
-            if let Some(w) = metrics.as_mut() {
-                let secs = t0.elapsed().as_secs_f64();
-                let gn = grad_norm.map_or("null".to_string(), |g| num(g as f64));
-                let sc = scaled.map_or(
-                    if non_finite {
-                        ",\"skipped\":true".to_string()
-                    } else {
-                        String::new()
-                    },
-                    |s| {
-                        format!(
-                            ",\"scale\":{},\"found_inf\":{},\"skipped\":{}",
-                            num(s.scale as f64),
-                            s.found_inf,
-                            s.skipped
-                        )
-                    },
-                );
-                writeln!(
-                    w,
-                    "{{\"step\":{step},\"epoch\":{epoch},\"loss\":{},\"lr\":{},\"img_per_s\":{},\"grad_norm\":{gn}{sc},{}}}",
-                    num(out.loss),
-                    num(lr as f64),
-                    num(n as f64 / secs),
-                    memory_fields(&pool.stats(), opts.predicted_peak)
-                )
-                .map_err(metrics_err)?;
-            }
+            metrics.step(
+                step,
+                epoch,
+                &out,
+                lr,
+                t0.elapsed().as_secs_f64(),
+                &pool.stats(),
+                opts.predicted_peak,
+            )?;
             if let Some(dir) = &opts.save_dir
                 && opts.save_every_steps.is_some_and(|k| step % k.max(1) == 0)
             {
-                save(dir, model, optimizer, step, scaler.as_ref())?;
+                save(dir, model, optimizer, step, trainer.scaler.as_ref())?;
             }
             if opts
                 .stop
@@ -627,7 +403,7 @@ fn fit_in<'scope, 'env>(
                 bar.finish_and_clear();
                 let checkpoint = match &opts.save_dir {
                     Some(dir) => Some(
-                        save(dir, model, optimizer, step, scaler.as_ref())?
+                        save(dir, model, optimizer, step, trainer.scaler.as_ref())?
                             .display()
                             .to_string(),
                     ),
@@ -650,30 +426,18 @@ fn fit_in<'scope, 'env>(
             });
         }
         let secs = start.elapsed().as_secs_f64();
-        let eval = if (epoch % opts.eval_every.max(1) == 0 || epoch == opts.epochs)
-            && !val.is_empty()
-        {
-            // Evaluate in micro-batches too: a full batch without saved
-            // tensors can still need more than the budget allows.
-            let e = evaluate(model, pool, val, micro, opts.workers)?;
-            skipped += e.skipped;
-            if let Some(w) = metrics.as_mut() {
-                writeln!(
-                    w,
-                    "{{\"epoch\":{epoch},\"step\":{step},\"val_loss\":{},\"val_top1\":{},\"val_top5\":{}}}",
-                    num(e.loss),
-                    num(e.top1),
-                    num(e.top5)
-                )
-                .map_err(metrics_err)?;
-            }
-            Some(e)
-        } else {
-            None
-        };
-        if let Some(w) = metrics.as_mut() {
-            w.flush().map_err(metrics_err)?;
-        }
+        let eval =
+            if (epoch % opts.eval_every.max(1) == 0 || epoch == opts.epochs) && !val.is_empty() {
+                // Evaluate in micro-batches too: a full batch without saved
+                // tensors can still need more than the budget allows.
+                let e = evaluate(model, pool, val, micro, opts.workers)?;
+                skipped += e.skipped;
+                metrics.eval(epoch, step, &e)?;
+                Some(e)
+            } else {
+                None
+            };
+        metrics.flush()?;
         let report = EpochReport {
             epoch,
             train_loss: loss_sum / seen as f64,
@@ -693,7 +457,7 @@ fn fit_in<'scope, 'env>(
                 || epoch == opts.epochs
                 || opts.max_steps.is_some_and(|m| step >= m))
         {
-            save(dir, model, optimizer, step, scaler.as_ref())?;
+            save(dir, model, optimizer, step, trainer.scaler.as_ref())?;
         }
         if opts.max_steps.is_some_and(|m| step >= m) {
             break;
