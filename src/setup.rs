@@ -8,8 +8,11 @@
 use std::path::Path;
 
 use crate::error::{Error, Result};
+use crate::io::{TensorFile, fc_rows};
 use crate::memory::Pool;
 use crate::nn::{BnPolicy, Precision, ResNet, ResNetConfig, StemKind};
+use crate::optim::{AdamW, LrSchedule, Schedule, Sgd};
+use crate::train::Optimizer;
 
 /// torchvision's width of the stem and layer1: `--model resnet50` is then
 /// torchvision's ResNet-50 (25,557,032 parameters).
@@ -57,6 +60,31 @@ pub enum OptimizerKind {
 }
 
 impl OptimizerKind {
+    /// The optimizer; `weight_decay` None is 5e-4 for SGD, 0.01 for AdamW
+    /// (betas 0.9, 0.999, eps 1e-8; `momentum` and `nesterov` are SGD's).
+    pub fn build(
+        self,
+        lr: f32,
+        momentum: f32,
+        weight_decay: Option<f32>,
+        nesterov: bool,
+    ) -> Optimizer {
+        match self {
+            OptimizerKind::Sgd => Optimizer::Sgd(Sgd::new(
+                lr,
+                momentum,
+                weight_decay.unwrap_or(5e-4),
+                nesterov,
+            )),
+            OptimizerKind::Adamw => Optimizer::AdamW(AdamW::with_params(
+                lr,
+                (0.9, 0.999),
+                1e-8,
+                weight_decay.unwrap_or(0.01),
+            )),
+        }
+    }
+
     /// The name resume fingerprints hold (fixed: saved runs compare it).
     pub fn fingerprint_name(self) -> &'static str {
         match self {
@@ -83,6 +111,87 @@ impl ScheduleKind {
             ScheduleKind::Cosine => "Cosine",
         }
     }
+}
+
+/// The LR schedule of a run in optimizer steps: `kind` over `total_steps`
+/// (step: times `gamma` every `step_epochs`), after `warmup_epochs` of
+/// linear warmup.
+pub fn lr_schedule(
+    kind: ScheduleKind,
+    steps_per_epoch: usize,
+    total_steps: usize,
+    step_epochs: usize,
+    gamma: f32,
+    warmup_epochs: usize,
+) -> LrSchedule {
+    let schedule = match kind {
+        ScheduleKind::Constant => Schedule::Constant,
+        ScheduleKind::Step => Schedule::Step {
+            step_size: step_epochs * steps_per_epoch,
+            gamma,
+        },
+        ScheduleKind::Cosine => Schedule::Cosine {
+            total_steps,
+            min_lr: 0.0,
+        },
+    };
+    let mut lr_schedule = LrSchedule::new(schedule);
+    if warmup_epochs > 0 {
+        lr_schedule = lr_schedule.with_warmup(warmup_epochs * steps_per_epoch);
+    }
+    lr_schedule
+}
+
+/// The micro-batch asked for: `micro_batch`, or a `batch` split into
+/// `accum_steps`; None: the planner's choice (the whole batch, or with
+/// `auto` the largest that fits).
+pub fn requested_micro_batch(
+    batch: usize,
+    micro_batch: Option<usize>,
+    accum_steps: Option<usize>,
+) -> Result<Option<usize>> {
+    match (micro_batch, accum_steps) {
+        (Some(m), _) => Ok(Some(m)),
+        (None, Some(0)) => Err(Error::Usage("--accum-steps must be at least 1".into())),
+        (None, Some(k)) => Ok(Some(batch.div_ceil(k))),
+        (None, None) => Ok(None),
+    }
+}
+
+/// The classes of the head: `num_classes`, else the rows of `init`'s fc
+/// (unless `reset_head`), else the dataset's. Too few for the dataset's
+/// labels, or a mismatch with `init`'s fc without `reset_head`, is an
+/// error.
+pub fn head_classes(
+    dataset_classes: usize,
+    num_classes: Option<usize>,
+    init: Option<&TensorFile>,
+    reset_head: bool,
+) -> Result<usize> {
+    // The dataset decides the classes; without reset_head they must match init's fc.
+    let init_rows = match (init, reset_head) {
+        (Some(f), false) => fc_rows(f),
+        _ => None,
+    };
+    let classes = num_classes.or(init_rows).unwrap_or(dataset_classes);
+    if classes < dataset_classes {
+        return Err(Error::Usage(format!(
+            "{} classes are too few: the dataset has labels 0..{}",
+            classes,
+            dataset_classes - 1
+        )));
+    }
+    if let (Some(f), Some(rows)) = (init, init_rows)
+        && rows != classes
+    {
+        return Err(Error::BadWeights {
+            path: f.path.clone(),
+            reason: format!(
+                "fc has {rows} classes but the model has {classes}; pass --reset-head to fine-tune with a new head"
+            ),
+        });
+    }
+    Ok(classes)
 }
 
 /// A zoo model with the flags every command shares.

@@ -19,16 +19,16 @@ use memfit::data::{DataOptions, load_data};
 use memfit::io::{TensorFile, fc_rows, load_torchvision, save_state_dict};
 use memfit::memory::{Category, MemoryStats, Pool, fmt_bytes, parse_bytes};
 use memfit::nn::{BnPolicy, Precision, StemKind};
-use memfit::optim::{AdamW, GradScaler, LrSchedule, Schedule, Sgd};
+use memfit::optim::GradScaler;
 use memfit::plan::{PlanRequest, Strategy, report, resolve};
 use memfit::setup::{
     self, ModelSpec, bf16_emulation_note, check_bn_values, check_output_file, default_base_width,
-    parse_precision,
+    head_classes, lr_schedule, parse_precision, requested_micro_batch,
 };
 use memfit::train::checkpoint::{
     FingerprintInputs, check_save_dir, load_checkpoint, run_fingerprint,
 };
-use memfit::train::{NanPolicy, Optimizer, TrainOptions, evaluate, fit};
+use memfit::train::{NanPolicy, TrainOptions, evaluate, fit};
 
 /// Exit status when standard output's reader has gone (`memfit … | head`):
 /// what a shell reports for a program that SIGPIPE ended (128 + 13).
@@ -760,12 +760,8 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
     let budget = parse_budget(a.memory.memory_budget.as_deref())?;
     let strategy: Strategy = a.memory.checkpoint.parse()?;
     let fixed_precision = a.memory.precision.parse()?;
-    let micro_batch = match (a.memory.micro_batch, a.memory.accum_steps) {
-        (Some(m), _) => Some(m),
-        (None, Some(0)) => bail!("--accum-steps must be at least 1"),
-        (None, Some(k)) => Some(a.batch_size.div_ceil(k)),
-        (None, None) => None,
-    };
+    let micro_batch =
+        requested_micro_batch(a.batch_size, a.memory.micro_batch, a.memory.accum_steps)?;
     let bn = match a.memory.bn {
         BnKind::Batch => BnPolicy::Batch,
         BnKind::Frozen => BnPolicy::Frozen,
@@ -774,27 +770,12 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
     let data = load_data(&a.data.options(), a.seed)?;
     let (train_set, val_set, size) = (&*data.train, &*data.val, data.size);
     let init = a.init.as_ref().map(TensorFile::open).transpose()?;
-    // The dataset decides the classes; without --reset-head they must match --init's fc.
-    let init_rows = match (&init, a.reset_head) {
-        (Some(f), false) => fc_rows(f),
-        _ => None,
-    };
-    let classes = a.num_classes.or(init_rows).unwrap_or(train_set.classes());
-    if classes < train_set.classes() {
-        bail!(
-            "{} classes are too few: the dataset has labels 0..{}",
-            classes,
-            train_set.classes() - 1
-        );
-    }
-    if let (Some(f), Some(rows)) = (&init, init_rows)
-        && rows != classes
-    {
-        bail!(
-            "{}: fc has {rows} classes but the model has {classes}; pass --reset-head to fine-tune with a new head",
-            f.path
-        );
-    }
+    let classes = head_classes(
+        train_set.classes(),
+        a.num_classes,
+        init.as_ref(),
+        a.reset_head,
+    )?;
     if a.steps == Some(0) {
         bail!("--steps must be at least 1");
     }
@@ -831,35 +812,16 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
         None => a.epochs,
     };
     let total_steps = a.steps.unwrap_or(steps_per_epoch * a.epochs);
-    let schedule = match a.schedule {
-        ScheduleKind::Constant => Schedule::Constant,
-        ScheduleKind::Step => Schedule::Step {
-            step_size: a.step_epochs * steps_per_epoch,
-            gamma: a.gamma,
-        },
-        ScheduleKind::Cosine => Schedule::Cosine {
-            total_steps,
-            min_lr: 0.0,
-        },
-    };
-    let mut lr_schedule = LrSchedule::new(schedule);
-    if a.warmup_epochs > 0 {
-        lr_schedule = lr_schedule.with_warmup(a.warmup_epochs * steps_per_epoch);
-    }
-    let mut optimizer = match a.optimizer {
-        OptimizerKind::Sgd => Optimizer::Sgd(Sgd::new(
-            a.lr,
-            a.momentum,
-            a.weight_decay.unwrap_or(5e-4),
-            a.nesterov,
-        )),
-        OptimizerKind::Adamw => Optimizer::AdamW(AdamW::with_params(
-            a.lr,
-            (0.9, 0.999),
-            1e-8,
-            a.weight_decay.unwrap_or(0.01),
-        )),
-    };
+    let lr_schedule = lr_schedule(
+        a.schedule.into(),
+        steps_per_epoch,
+        total_steps,
+        a.step_epochs,
+        a.gamma,
+        a.warmup_epochs,
+    );
+    let mut optimizer =
+        setup::OptimizerKind::from(a.optimizer).build(a.lr, a.momentum, a.weight_decay, a.nesterov);
     let resolved = resolve(&PlanRequest {
         config: &model.config,
         bn,
