@@ -16,6 +16,10 @@ pub enum Error {
     },
     #[error("{op}: {reason}")]
     InvalidArgument { op: &'static str, reason: String },
+    /// Options a command cannot run with (a value out of range, two that
+    /// contradict each other). The message is whole and names the flags.
+    #[error("{0}")]
+    Usage(String),
 
     // === Memory ===
     #[error("{0}")]
@@ -50,6 +54,10 @@ pub enum Error {
         skipped: usize,
         verb: &'static str,
     },
+
+    /// Writing a command's report failed (e.g. its reader went away).
+    #[error("writing the output: {0}")]
+    Output(std::io::Error),
 
     // === Interruption ===
     #[error("interrupted after optimizer step {step}; {}", match checkpoint {

@@ -4,11 +4,15 @@
 //! pool every tensor buffer comes from), [`tensor`], [`device`] (CPU GEMM),
 //! [`ops`] (kernels with explicit forward/backward and f64 references),
 //! [`nn`] (stages of the ResNet chain), [`exec`] (runs the chain under a
-//! plan), [`optim`].
+//! plan), [`optim`]. Beside them: [`setup`] (the model a command builds
+//! from its flags, and the checks before a run), [`bench`] (the
+//! benchmarks behind `memfit bench`) and [`data::registry`] (datasets by
+//! name).
 
 pub mod accounting;
 pub mod backend;
 pub mod baseline;
+pub mod bench;
 pub mod data;
 pub mod device;
 pub mod error;
@@ -20,6 +24,7 @@ pub mod ops;
 pub mod optim;
 pub mod plan;
 pub mod profile;
+pub mod setup;
 pub mod tensor;
 pub mod train;
 

@@ -835,3 +835,114 @@ fn sigterm_saves_a_checkpoint_and_the_run_resumes() {
     assert!(out.contains("trained in"), "{out}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--model resnet50` is torchvision's ResNet-50 on every dataset but the
+/// embedded digits, with no --base-width; the default digits run keeps its
+/// narrow network, and `eval` reads its weights with no --base-width too.
+#[test]
+fn base_width_defaults_to_torchvisions_except_on_the_digits() {
+    let (code, out, err) = memfit(&[
+        "plan",
+        "--model",
+        "resnet50",
+        "--data",
+        "synthetic",
+        "--num-classes",
+        "1000",
+    ]);
+    assert_eq!(code, 0, "stderr:\n{err}");
+    assert!(
+        out.contains("(base width 64, ImageNet stem, 25557032 parameters)"),
+        "{out}"
+    );
+    // The default run: ResNet-18 at width 16 on the digits, as before.
+    let (code, out, err) = memfit(&["plan"]);
+    assert_eq!(code, 0, "stderr:\n{err}");
+    assert!(
+        out.starts_with(
+            "training resnet18 (base width 16, ImageNet stem, 703386 parameters) on digits"
+        ),
+        "{out}"
+    );
+    // An explicit width still wins.
+    let (code, out, err) = memfit(&["plan", "--data", "synthetic", "--base-width", "8"]);
+    assert_eq!(code, 0, "stderr:\n{err}");
+    assert!(out.contains("(base width 8,"), "{out}");
+
+    let dir = std::env::temp_dir().join(format!("memfit_cli_width_{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let weights = dir.join("w.safetensors");
+    let w = weights.to_str().unwrap();
+    let (code, out, err) = memfit(&[
+        "--threads",
+        "2",
+        "train",
+        "--steps",
+        "1",
+        "--batch-size",
+        "16",
+        "--save-weights",
+        w,
+    ]);
+    assert_eq!(code, 0, "stderr:\n{err}");
+    let val_line = out.lines().find(|l| l.contains("val top-1")).unwrap();
+    let (code, eval_out, err) = memfit(&["--threads", "2", "eval", "--weights", w]);
+    assert_eq!(code, 0, "stderr:\n{err}");
+    assert_eval_matches_val(&eval_out, val_line);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `memfit … | head`: a reader that has gone ends the program quietly with
+/// the shell's SIGPIPE status, not a panic (exit 101) and a backtrace. The
+/// pipe's read end is closed before the program starts, so its first
+/// write fails.
+#[test]
+fn a_closed_stdout_ends_the_program_quietly() {
+    for args in [
+        &["plan"][..],
+        &[
+            "bench",
+            "max-batch",
+            "--model",
+            "resnet18",
+            "--base-width",
+            "8",
+            "--image-size",
+            "32",
+            "--memory-budget",
+            "64MiB",
+        ][..],
+        &[
+            "bench",
+            "step",
+            "--model",
+            "resnet18",
+            "--base-width",
+            "8",
+            "--image-size",
+            "32",
+            "--num-classes",
+            "10",
+            "--batch-size",
+            "2",
+            "--steps",
+            "1",
+        ][..],
+    ] {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = Command::new(env!("CARGO_BIN_EXE_memfit"))
+            .args(args)
+            .env("RUST_BACKTRACE", "1")
+            .stdout(writer)
+            .stderr(std::process::Stdio::piped())
+            .output()
+            .expect("run memfit");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_no_panic(&format!("{args:?} into a closed pipe"), &err);
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert_ne!(out.status.code(), Some(101), "{args:?}: {err}");
+        assert_eq!(out.status.code(), Some(141), "{args:?}: {err}");
+        assert!(err.is_empty(), "{args:?}: {err}");
+    }
+}

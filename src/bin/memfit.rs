@@ -1,27 +1,78 @@
 //! The `memfit` command line.
 
 use std::ffi::OsString;
+use std::io::Write;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
-use std::path::PathBuf;
-
 use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
 
-use memfit::data::{
-    Dataset, ImageFolder, ImageFolderDataset, InMemoryDataset, SyntheticGratings, Transform,
-    load_digits, load_fashion_mnist,
+use memfit::bench::{
+    StepOptions, StrategiesOptions, format_max_batch_header, format_max_batch_row,
+    format_strategies, largest_batch, max_batch_strategies, measure_steps, pytorch_rows,
+    run_strategies,
 };
-use memfit::exec::{LossOptions, forward_backward};
+use memfit::data::{DataOptions, load_data};
 use memfit::io::{TensorFile, fc_rows, load_torchvision, save_state_dict};
-use memfit::memory::{Category, MemoryStats, Pool, Tag, fmt_bytes, parse_bytes};
-use memfit::nn::{BnPolicy, Precision, ResNet, ResNetConfig, StemKind};
-use memfit::optim::{AdamW, GradScaler, LrSchedule, Schedule, Sgd};
-use memfit::plan::{PlanRequest, Strategy, TimeModel, report, resolve, simulate_training};
-use memfit::train::checkpoint::{check_save_dir, load_checkpoint};
-use memfit::train::{NanPolicy, Optimizer, TrainOptions, evaluate, fit};
+use memfit::memory::{Category, MemoryStats, Pool, fmt_bytes, parse_bytes};
+use memfit::nn::{BnPolicy, Precision, StemKind};
+use memfit::optim::GradScaler;
+use memfit::plan::{PlanRequest, Strategy, report, resolve};
+use memfit::setup::{
+    self, ModelSpec, bf16_emulation_note, check_bn_values, check_output_file, default_base_width,
+    head_classes, lr_schedule, parse_precision, requested_micro_batch,
+};
+use memfit::train::checkpoint::{
+    FingerprintInputs, check_save_dir, load_checkpoint, run_fingerprint,
+};
+use memfit::train::{NanPolicy, TrainOptions, evaluate, fit};
+
+/// Exit status when standard output's reader has gone (`memfit … | head`):
+/// what a shell reports for a program that SIGPIPE ended (128 + 13).
+const BROKEN_PIPE_EXIT: i32 = 141;
+
+/// Standard output for everything the commands print. Rust ignores
+/// SIGPIPE, so a closed pipe is an error on write; this ends the program
+/// quietly then, as SIGPIPE would, instead of panicking. Other errors are
+/// returned.
+struct Stdout;
+
+impl Write for Stdout {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        quiet_on_broken_pipe(std::io::stdout().write(buf))
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        quiet_on_broken_pipe(std::io::stdout().flush())
+    }
+}
+
+fn quiet_on_broken_pipe<T>(r: std::io::Result<T>) -> std::io::Result<T> {
+    if let Err(e) = &r
+        && e.kind() == std::io::ErrorKind::BrokenPipe
+    {
+        std::process::exit(BROKEN_PIPE_EXIT);
+    }
+    r
+}
+
+/// Writes to [`Stdout`]; any error but a closed pipe (a full disk) ends the
+/// program with a message, as `println!` would have but without a panic.
+fn emit(args: std::fmt::Arguments) {
+    if let Err(e) = Stdout.write_fmt(args) {
+        eprintln!("error: writing to standard output: {e}");
+        std::process::exit(1);
+    }
+}
+
+/// `println!` through [`emit`].
+macro_rules! outln {
+    ($($arg:tt)*) => {
+        emit(format_args!("{}\n", format_args!($($arg)*)))
+    };
+}
 
 #[derive(Parser)]
 #[command(
@@ -126,10 +177,7 @@ struct PrecisionArgs {
 impl PrecisionArgs {
     /// The fixed precision, or None for auto.
     fn parse(&self) -> Result<Option<Precision>> {
-        if self.precision == "auto" {
-            return Ok(None);
-        }
-        Ok(Some(self.precision.parse()?))
+        Ok(parse_precision(&self.precision)?)
     }
 }
 
@@ -269,17 +317,69 @@ enum NanPolicyArg {
     Skip,
 }
 
-#[derive(Clone, Copy, Debug, ValueEnum)]
+#[derive(Clone, Copy, ValueEnum)]
 enum OptimizerKind {
     Sgd,
     Adamw,
 }
 
-#[derive(Clone, Copy, Debug, ValueEnum)]
+impl From<OptimizerKind> for setup::OptimizerKind {
+    fn from(k: OptimizerKind) -> Self {
+        match k {
+            OptimizerKind::Sgd => setup::OptimizerKind::Sgd,
+            OptimizerKind::Adamw => setup::OptimizerKind::Adamw,
+        }
+    }
+}
+
+#[derive(Clone, Copy, ValueEnum)]
 enum ScheduleKind {
     Constant,
     Step,
     Cosine,
+}
+
+impl From<ScheduleKind> for setup::ScheduleKind {
+    fn from(k: ScheduleKind) -> Self {
+        match k {
+            ScheduleKind::Constant => setup::ScheduleKind::Constant,
+            ScheduleKind::Step => setup::ScheduleKind::Step,
+            ScheduleKind::Cosine => setup::ScheduleKind::Cosine,
+        }
+    }
+}
+
+impl ModelArgs {
+    fn spec(&self) -> ModelSpec {
+        ModelSpec {
+            name: self.model.clone(),
+            base_width: self.base_width,
+            stem: self.stem.into(),
+            num_classes: self.num_classes,
+            seed: self.seed,
+        }
+    }
+}
+
+impl DataArgs {
+    fn options(&self) -> DataOptions {
+        DataOptions {
+            data: self.data.clone(),
+            val_data: self.val_data.clone(),
+            image_size: self.image_size,
+            workers: self.workers,
+            no_augment: self.no_augment,
+            classes: self.classes,
+            train_size: self.train_size,
+            val_size: self.val_size,
+            val_fraction: self.val_fraction,
+        }
+    }
+
+    /// --base-width, or its default for this dataset.
+    fn base_width(&self, flag: Option<usize>) -> usize {
+        flag.unwrap_or_else(|| default_base_width(&self.data))
+    }
 }
 
 #[derive(Args)]
@@ -339,9 +439,12 @@ struct TrainArgs {
     config: Option<PathBuf>,
     #[arg(long, default_value = "resnet18")]
     model: String,
-    /// Channels of the stem and layer1 (torchvision: 64).
-    #[arg(long, default_value_t = 16)]
-    base_width: usize,
+    /// Channels of the stem and layer1. Default: 64, torchvision's (so
+    /// --model resnet50 is torchvision's ResNet-50, 25,557,032 parameters
+    /// with 1000 classes), except 16 on the embedded digits (--data digits,
+    /// the default run).
+    #[arg(long)]
+    base_width: Option<usize>,
     /// imagenet (conv 7x7 stride 2 + max pool, torchvision) or small
     /// (conv 3x3 stride 1, no max pool: for 28x28 / 32x32 images).
     #[arg(long, value_enum, default_value = "imagenet")]
@@ -439,8 +542,12 @@ struct EvalArgs {
     config: Option<PathBuf>,
     #[arg(long, default_value = "resnet18")]
     model: String,
-    #[arg(long, default_value_t = 16)]
-    base_width: usize,
+    /// Channels of the stem and layer1. Default: 64, torchvision's (so
+    /// --model resnet50 is torchvision's ResNet-50, 25,557,032 parameters
+    /// with 1000 classes), except 16 on the embedded digits (--data digits,
+    /// the default run).
+    #[arg(long)]
+    base_width: Option<usize>,
     /// imagenet (conv 7x7 stride 2 + max pool, torchvision) or small
     /// (conv 3x3 stride 1, no max pool: for 28x28 / 32x32 images).
     #[arg(long, value_enum, default_value = "imagenet")]
@@ -553,14 +660,14 @@ fn peak_rss_bytes() -> Option<usize> {
 }
 
 fn print_memory(stats: &MemoryStats) {
-    println!(
+    outln!(
         "tracked peak: {} (reserved now {})",
         fmt_bytes(stats.peak_total),
         fmt_bytes(stats.reserved)
     );
-    println!("  {:<12} {:>12} {:>12}", "category", "at peak", "own peak");
+    outln!("  {:<12} {:>12} {:>12}", "category", "at peak", "own peak");
     for c in Category::ALL {
-        println!(
+        outln!(
             "  {:<12} {:>12} {:>12}",
             c.name(),
             fmt_bytes(stats.at_peak.get(c)),
@@ -568,27 +675,37 @@ fn print_memory(stats: &MemoryStats) {
         );
     }
     if let Some(rss) = peak_rss_bytes() {
-        println!("process peak RSS: {}", fmt_bytes(rss));
+        outln!("process peak RSS: {}", fmt_bytes(rss));
     }
 }
 
-/// What one `bench step` measured.
-struct StepResult {
-    plan: String,
-    /// Forward FLOPs the plan recomputes over the FLOPs of a plain step
-    /// (forward + backward = 3 forwards).
-    recompute_fraction: f64,
-    precision: Precision,
-    micro_batch: usize,
-    median_seconds: f64,
-    measured: MemoryStats,
-    predicted: usize,
+/// `--memory-budget`'s bytes.
+fn parse_budget(s: Option<&str>) -> Result<Option<usize>> {
+    s.map(parse_bytes).transpose().context("--memory-budget")
 }
 
 fn bench_step(a: StepArgs) -> Result<()> {
-    let r = measure_steps(&a, true)?;
+    // Before the budget is parsed, as ever (measure_steps checks it too).
+    if a.batch_size == 0 || a.steps == 0 {
+        bail!("--batch-size and --steps must be at least 1");
+    }
+    let opts = StepOptions {
+        model: a.model.spec(),
+        image_size: a.image_size,
+        batch_size: a.batch_size,
+        steps: a.steps,
+        warmup: a.warmup,
+        memory_budget: parse_budget(a.memory_budget.as_deref())?,
+        checkpoint: a.checkpoint,
+        time_model: a.time_model,
+        micro_batch: a.micro_batch,
+        precision: a.precision.precision,
+        recompute_bn_relu: a.precision.recompute_bn_relu,
+        profile: a.profile,
+    };
+    let r = measure_steps(&opts, true, &mut Stdout)?;
     print_memory(&r.measured);
-    println!(
+    outln!(
         "predicted peak {} vs measured {}",
         fmt_bytes(r.predicted),
         fmt_bytes(r.measured.peak_total)
@@ -596,667 +713,43 @@ fn bench_step(a: StepArgs) -> Result<()> {
     Ok(())
 }
 
-/// Runs warm-up + timed steps of `a` on a fixed synthetic batch.
-fn measure_steps(a: &StepArgs, verbose: bool) -> Result<StepResult> {
-    if a.batch_size == 0 || a.steps == 0 {
-        bail!("--batch-size and --steps must be at least 1");
-    }
-    let budget = a
-        .memory_budget
-        .as_deref()
-        .map(parse_bytes)
-        .transpose()
-        .context("--memory-budget")?;
-    let pool = Pool::new();
-    let mut config = ResNetConfig::by_name(&a.model.model)?;
-    config.base_width = a.model.base_width;
-    config.stem = a.model.stem.into();
-    config.num_classes = a.model.num_classes;
-    config.seed = a.model.seed;
-    let fixed_precision = a.precision.parse()?;
-    config.precision = fixed_precision.unwrap_or_default();
-    config.recompute_bn_relu = a.precision.recompute_bn_relu;
-    let mut model = ResNet::new(&pool, config)?;
-    model.check_image_size(a.image_size, a.image_size)?;
-    let params = model.param_count();
-    let (n, s) = (a.batch_size, a.image_size);
-    println!(
-        "{} (base width {}, {:?} stem), {params} parameters, batch {n} at {s}x{s}, {} threads",
-        a.model.model,
-        a.model.base_width,
-        StemKind::from(a.model.stem),
-        rayon::current_num_threads()
-    );
-    let predicted_saved: usize = model.saved_bytes_per_stage(n, s, s).iter().sum();
-    println!(
-        "saved activations (closed form): {}",
-        fmt_bytes(predicted_saved)
-    );
-
-    // A fixed synthetic batch, as the PyTorch baseline uses.
-    let data = SyntheticGratings::generate(n, s, a.model.num_classes.min(1000), 1);
-    let labels = data.labels.clone();
-    let mut sgd = Sgd::new(0.1, 0.9, 0.0, false);
-    let resolved = resolve(&PlanRequest {
-        config: &model.config,
-        bn: BnPolicy::Batch,
-        optimizer: &Optimizer::Sgd(Sgd::new(0.1, 0.9, 0.0, false)),
-        batch: n,
-        micro_batch: a.micro_batch,
-        image_size: s,
-        budget,
-        strategy: a.checkpoint.parse()?,
-        auto_precision: fixed_precision.is_none(),
-        time_model: a.time_model.parse()?,
-    })?;
-    model.set_precision(resolved.precision);
-    let (plan, micro) = (resolved.plan.clone(), resolved.micro_batch);
-    // The bench runs training steps only: predict those, without evaluation.
-    let predicted = simulate_training(
-        &model.config,
-        BnPolicy::Batch,
-        &Optimizer::Sgd(Sgd::new(0.1, 0.9, 0.0, false)),
-        &plan,
-        micro,
-        s,
-    )?
-    .peak_total;
-    println!(
-        "plan {plan} at micro-batch {micro}, {}{}; predicted peak {}",
-        resolved.precision,
-        if resolved.recompute_bn_relu {
-            ", BN+ReLU recomputed"
-        } else {
-            ""
-        },
-        fmt_bytes(predicted)
-    );
-    note_if_bf16_is_emulated(resolved.precision);
-    pool.set_budget(budget);
-    let mut times = Vec::new();
-    let mut timed_from = pool.stats();
-    for i in 0..a.warmup + a.steps {
-        if i == a.warmup {
-            pool.reset_peak();
-            timed_from = pool.stats();
-            memfit::profile::enable(a.profile);
-        }
-        let t = Instant::now();
-        model.zero_grad();
-        let mut loss = 0.0;
-        let px = s * s * 3;
-        for start in (0..n).step_by(micro) {
-            let m = micro.min(n - start);
-            let images = pool.from_f32(
-                &[m, s, s, 3],
-                &data.images[start * px..(start + m) * px],
-                Category::Data,
-                Tag::fixed("batch.images"),
-            )?;
-            let o = forward_backward(
-                &mut model,
-                &pool,
-                &plan,
-                images,
-                &labels[start..start + m],
-                LossOptions {
-                    label_smoothing: 0.0,
-                    window_samples: Some(n),
-                    scale: None,
-                },
-            )?;
-            loss += o.loss * m as f64 / n as f64;
-        }
-        sgd.step(&pool, &mut model)?;
-        let secs = t.elapsed().as_secs_f64();
-        let kind = if i < a.warmup { "warm-up" } else { "step" };
-        if verbose {
-            println!("{kind} {}: loss {loss:.4}, {secs:.3} s", i + 1);
-        }
-        if i >= a.warmup {
-            times.push(secs);
-        }
-    }
-    let total: f64 = times.iter().sum();
-    // Memory the cache could not serve: fresh pages cost faults and zeroing.
-    let now = pool.stats();
-    let fresh = now.system_alloc_bytes - timed_from.system_alloc_bytes;
-    let (fresh_n, reused) = (
-        now.system_allocs - timed_from.system_allocs,
-        now.reuses - timed_from.reuses,
-    );
-    println!(
-        "system allocations per timed step: {:.1} ({}); {reused} of {} requests served from the cache",
-        fresh_n as f64 / a.steps as f64,
-        fmt_bytes(fresh / a.steps),
-        reused + fresh_n
-    );
-    times.sort_by(f64::total_cmp);
-    let median = times[times.len() / 2];
-    println!("median {median:.3} s/step, {:.2} img/s", n as f64 / median);
-    if a.profile {
-        let totals = memfit::profile::totals();
-        memfit::profile::enable(false);
-        print_profile(&totals, total, a.steps);
-    }
-    let stages = &resolved.costs.stages;
-    let forward: f64 = stages.iter().map(|st| st.forward_flops).sum();
-    let recomputed: f64 = plan
-        .segments
-        .iter()
-        .filter(|seg| seg.recompute)
-        .flat_map(|seg| seg.start..seg.end)
-        .map(|i| stages[i].forward_flops)
-        .sum();
-    Ok(StepResult {
-        plan: plan.to_string(),
-        recompute_fraction: recomputed / (3.0 * forward).max(1.0),
-        precision: resolved.precision,
-        micro_batch: micro,
-        median_seconds: median,
-        measured: pool.stats(),
-        predicted,
-    })
-}
-
-/// One row of `bench strategies`.
-struct StrategyRow {
-    name: String,
-    checkpoint: String,
-    micro_batch: Option<usize>,
-    precision: &'static str,
-    recompute_bn_relu: bool,
-    /// For `auto`: this fraction of the no-plan row's measured peak.
-    budget_fraction: Option<f64>,
-}
-
-/// The `--profile` table: seconds per step per op family, share of the
-/// step, and GFLOP/s where the family does FLOPs.
-fn print_profile(totals: &[(memfit::profile::Family, f64, f64)], total: f64, steps: usize) {
-    let per = |x: f64| x / steps.max(1) as f64;
-    println!("| op family | s/step | share | GFLOP/s |\n|---|---|---|---|");
-    let mut accounted = 0.0;
-    for (f, secs, flops) in totals {
-        accounted += secs;
-        let rate = if *flops > 0.0 && *secs > 0.0 {
-            format!("{:.1}", flops / secs / 1e9)
-        } else {
-            "-".into()
-        };
-        println!(
-            "| {} | {:.3} | {:.0}% | {rate} |",
-            f.name(),
-            per(*secs),
-            100.0 * secs / total.max(1e-12)
-        );
-    }
-    let rest = (total - accounted).max(0.0);
-    println!(
-        "| other (ReLU, pooling, add, loss, conversions, optimizer) | {:.3} | {:.0}% | - |",
-        per(rest),
-        100.0 * rest / total.max(1e-12)
-    );
-}
-
 fn bench_strategies(a: StrategiesArgs) -> Result<()> {
-    let quarter = (a.batch_size / 4).max(1);
-    let row = |name: &str, checkpoint: &str| StrategyRow {
-        name: name.to_string(),
-        checkpoint: checkpoint.to_string(),
-        micro_batch: None,
-        precision: "fp32",
-        recompute_bn_relu: false,
-        budget_fraction: None,
+    let opts = StrategiesOptions {
+        model: a.model.spec(),
+        image_size: a.image_size,
+        batch_size: a.batch_size,
+        steps: a.steps,
+        warmup: a.warmup,
+        rounds: a.rounds,
+        time_model: a.time_model,
     };
-    let mut rows = vec![
-        row("none", "none"),
-        row("segments:2", "segments:2"),
-        row("segments:4", "segments:4"),
-        row("segments:8", "segments:8"),
-        row("stages:layer1,layer2,layer4", "stages:layer1,layer2,layer4"),
-        StrategyRow {
-            precision: "bf16",
-            ..row("bf16", "none")
-        },
-        StrategyRow {
-            precision: "f16",
-            ..row("f16", "none")
-        },
-        StrategyRow {
-            micro_batch: Some(quarter),
-            ..row(&format!("micro-batch {quarter}"), "none")
-        },
-        StrategyRow {
-            recompute_bn_relu: true,
-            ..row("BN+ReLU recompute", "none")
-        },
-    ];
-    for f in [0.75, 0.5, 0.35] {
-        rows.push(StrategyRow {
-            budget_fraction: Some(f),
-            ..row(&format!("auto @ {:.0}% of none", 100.0 * f), "auto")
-        });
-    }
-    println!(
-        "{} (base width {}), batch {} at {}x{}, {} threads, {} timed step(s) each, {} round(s)",
-        a.model.model,
-        a.model.base_width,
-        a.batch_size,
-        a.image_size,
-        a.image_size,
-        rayon::current_num_threads(),
-        a.steps,
-        a.rounds
-    );
-    if a.rounds == 0 {
-        bail!("--rounds must be at least 1");
-    }
-    // Each row's results over the rounds, by row; a row whose budget is
-    // below the smallest plan in the first round stays empty.
-    let mut runs: Vec<Vec<StepResult>> = rows.iter().map(|_| Vec::new()).collect();
-    let mut none_peak = None;
-    for round in 0..a.rounds {
-        for (r, run) in rows.iter().zip(&mut runs) {
-            if round > 0 && run.is_empty() {
-                continue;
-            }
-            let budget = match (r.budget_fraction, none_peak) {
-                (Some(f), Some(peak)) => Some(format!("{}", (peak as f64 * f) as usize)),
-                _ => None,
-            };
-            let step = StepArgs {
-                model: a.model.clone(),
-                image_size: a.image_size,
-                batch_size: a.batch_size,
-                steps: a.steps,
-                warmup: a.warmup,
-                memory_budget: budget,
-                checkpoint: r.checkpoint.clone(),
-                time_model: a.time_model.clone(),
-                micro_batch: r.micro_batch,
-                precision: PrecisionArgs {
-                    precision: r.precision.to_string(),
-                    recompute_bn_relu: r.recompute_bn_relu,
-                },
-                profile: false,
-            };
-            eprintln!(
-                "running {} (round {} of {}) ...",
-                r.name,
-                round + 1,
-                a.rounds
-            );
-            match measure_steps(&step, false) {
-                Ok(m) => {
-                    none_peak.get_or_insert(m.measured.peak_total);
-                    run.push(m);
-                }
-                // A budget below the smallest plan is a result too, not a failure.
-                Err(e) if r.budget_fraction.is_some() => eprintln!("{}: {e:#}", r.name),
-                Err(e) => return Err(e),
-            }
-        }
-    }
-    let results: Vec<(String, StepResult)> = rows
-        .iter()
-        .zip(runs)
-        .filter(|(_, run)| !run.is_empty())
-        .map(|(r, run)| (r.name.clone(), median_round(&r.name, run)))
-        .collect();
-    let (base_peak, base_time) = (
-        results[0].1.measured.peak_total as f64,
-        results[0].1.median_seconds,
-    );
-    // A checkpoint plan should cost no more than the forward it recomputes
-    // (plus 5% slack): bound = 1 + recomputed forward FLOPs / step FLOPs + 0.05.
-    let header = "| strategy | plan | micro-batch | precision | peak | activations at peak | memory ratio | s/step | time ratio | recompute bound | predicted peak |";
-    println!("{header}\n|---|---|---|---|---|---|---|---|---|---|---|");
-    let mut csv = String::from(
-        "tool,strategy,plan,micro_batch,precision,peak_bytes,activations_bytes,memory_ratio,seconds_per_step,time_ratio,recompute_bound,predicted_peak_bytes\n",
-    );
-    for (name, r) in &results {
-        let m = &r.measured;
-        let act = m.at_peak.get(Category::Activations);
-        let (mr, tr) = (
-            m.peak_total as f64 / base_peak,
-            r.median_seconds / base_time,
-        );
-        let bound = (r.recompute_fraction > 0.0).then_some(1.0 + r.recompute_fraction + 0.05);
-        let bound_cell = bound.map_or("-".to_string(), |b| {
-            format!("{b:.2} ({})", if tr <= b { "within" } else { "over" })
-        });
-        println!(
-            "| {name} | {} | {} | {} | {} | {} | {mr:.2} | {:.3} | {tr:.2} | {bound_cell} | {} |",
-            r.plan,
-            r.micro_batch,
-            r.precision,
-            fmt_bytes(m.peak_total),
-            fmt_bytes(act),
-            r.median_seconds,
-            fmt_bytes(r.predicted)
-        );
-        csv += &format!(
-            "memfit,\"{name}\",\"{}\",{},{},{},{act},{mr:.4},{:.4},{tr:.4},{},{}\n",
-            r.plan,
-            r.micro_batch,
-            r.precision,
-            m.peak_total,
-            r.median_seconds,
-            bound.map_or(String::new(), |b| format!("{b:.4}")),
-            r.predicted
-        );
-    }
-    csv += &pytorch_rows(&a)?;
+    let results = run_strategies(&opts, &mut Stdout, &mut |line| eprintln!("{line}"))?;
+    let (table, mut csv) = format_strategies(&results);
+    emit(format_args!("{table}"));
+    let (baseline, baseline_csv) = pytorch_rows(&a.pytorch_results, a.image_size, a.batch_size)?;
+    emit(format_args!("{baseline}"));
+    csv += &baseline_csv;
     if let Some(path) = &a.csv {
         std::fs::write(path, csv).with_context(|| format!("writing {}", path.display()))?;
-        println!("wrote {}", path.display());
+        outln!("wrote {}", path.display());
     }
     Ok(())
-}
-
-/// The round with the median time (its plan, peak and time belong
-/// together). Measured stage times can move `auto`'s plan between rounds:
-/// that is said, not hidden.
-fn median_round(name: &str, mut v: Vec<StepResult>) -> StepResult {
-    let plans: std::collections::BTreeSet<&str> = v.iter().map(|r| r.plan.as_str()).collect();
-    if plans.len() > 1 {
-        println!(
-            "{name}: the plan differed between rounds ({}); the median round's is reported",
-            plans.into_iter().collect::<Vec<_>>().join(" | ")
-        );
-    }
-    v.sort_by(|x, y| x.median_seconds.total_cmp(&y.median_seconds));
-    v.swap_remove(v.len() / 2)
-}
-
-/// Prints the PyTorch baseline's rows for `a`'s configuration, when its
-/// results file exists, and returns them as CSV lines.
-fn pytorch_rows(a: &StrategiesArgs) -> Result<String> {
-    let path = &a.pytorch_results;
-    if !path.exists() {
-        println!(
-            "(no PyTorch baseline at {}: its rows are left out)",
-            path.display()
-        );
-        return Ok(String::new());
-    }
-    let rows = memfit::baseline::load(path, a.image_size, a.batch_size)?;
-    let Some(plain) = rows.iter().find(|r| r.strategy == "plain") else {
-        println!(
-            "(the PyTorch baseline {} has no plain run at {}x{} batch {})",
-            path.display(),
-            a.image_size,
-            a.image_size,
-            a.batch_size
-        );
-        return Ok(String::new());
-    };
-    println!(
-        "\nPyTorch {} (from {}; another day, maybe another host: compare its ratios, each against its own plain run, not its times):",
-        plain.torch,
-        path.display()
-    );
-    println!(
-        "| PyTorch strategy | nearest memfit row | micro-batch | peak | memory ratio | s/step | time ratio | runs timed / all |\n|---|---|---|---|---|---|---|---|"
-    );
-    let cell =
-        |v: Option<f64>, digits: usize| v.map_or("-".to_string(), |v| format!("{v:.digits$}"));
-    let csv_cell = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.4}"));
-    let mut csv = String::new();
-    for r in &rows {
-        let mr = r.peak_bytes / plain.peak_bytes;
-        let tr = r.seconds.zip(plain.seconds).map(|(s, p)| s / p);
-        println!(
-            "| {} | {} | {} | {} | {mr:.2} | {} | {} | {}/{} |",
-            r.strategy,
-            r.memfit_name,
-            r.micro_batch,
-            fmt_bytes(r.peak_bytes as usize),
-            cell(r.seconds, 3),
-            cell(tr, 2),
-            r.clean_runs,
-            r.runs
-        );
-        let precision = if r.strategy == "bf16" { "bf16" } else { "fp32" };
-        csv += &format!(
-            "pytorch,\"{}\",,{},{precision},{:.0},,{mr:.4},{},{},,\n",
-            r.strategy,
-            r.micro_batch,
-            r.peak_bytes,
-            csv_cell(r.seconds),
-            csv_cell(tr),
-        );
-    }
-    Ok(csv)
 }
 
 fn bench_max_batch(a: MaxBatchArgs) -> Result<()> {
     let budget = parse_bytes(&a.memory_budget).context("--memory-budget")?;
-    let mut config = ResNetConfig::by_name(&a.model.model)?;
-    config.base_width = a.model.base_width;
-    config.stem = a.model.stem.into();
-    config.num_classes = a.model.num_classes;
-    let optimizer = Optimizer::Sgd(Sgd::new(0.1, 0.9, 0.0, false));
-    let fits = |strategy: &str,
-                precision: Precision,
-                bn_relu: bool,
-                batch: usize|
-     -> Result<Option<usize>> {
-        let config = ResNetConfig {
-            precision,
-            recompute_bn_relu: bn_relu,
-            ..config.clone()
-        };
-        let request = PlanRequest {
-            config: &config,
-            bn: BnPolicy::Batch,
-            optimizer: &optimizer,
-            batch,
-            micro_batch: Some(batch),
-            image_size: a.image_size,
-            budget: Some(budget),
-            strategy: strategy.parse()?,
-            auto_precision: false,
-            // Only whether a plan fits matters here, and that is bytes alone.
-            time_model: TimeModel::Flops,
-        };
-        match resolve(&request) {
-            Ok(r) => Ok(Some(r.predicted.peak_total)),
-            Err(memfit::Error::BudgetTooSmall { .. } | memfit::Error::InvalidArgument { .. }) => {
-                Ok(None)
-            }
-            Err(e) => Err(e.into()),
-        }
-    };
-    println!(
-        "{} (base width {}), {}x{}, SGD with momentum, budget {}: largest batch with no accumulation",
-        a.model.model,
-        a.model.base_width,
-        a.image_size,
-        a.image_size,
-        fmt_bytes(budget)
-    );
-    println!(
-        "| strategy | precision | largest batch | predicted peak | vs none fp32 |\n|---|---|---|---|---|"
-    );
+    let config = a.model.spec().config()?;
+    emit(format_args!(
+        "{}",
+        format_max_batch_header(&a.model.model, a.model.base_width, a.image_size, budget)
+    ));
     let mut none = None;
-    let f32_ = Precision::F32;
-    for (label, strategy, precision, bn_relu) in [
-        ("none", "none", f32_, false),
-        ("segments:2", "segments:2", f32_, false),
-        ("segments:4", "segments:4", f32_, false),
-        ("segments:8", "segments:8", f32_, false),
-        (
-            "stages:layer1,layer2,layer4",
-            "stages:layer1,layer2,layer4",
-            f32_,
-            false,
-        ),
-        ("BN+ReLU recompute", "none", f32_, true),
-        ("none", "none", Precision::BF16, false),
-        ("auto", "auto", f32_, false),
-        ("auto + BN+ReLU recompute", "auto", f32_, true),
-        ("auto", "auto", Precision::BF16, false),
-        ("auto + BN+ReLU recompute", "auto", Precision::BF16, true),
-    ] {
-        let fits = |batch| fits(strategy, precision, bn_relu, batch);
-        // Bisect on the largest batch that fits (fitting is monotone in it).
-        let (mut lo, mut hi) = (0usize, 1usize);
-        while fits(hi)?.is_some() && hi < 1 << 16 {
-            lo = hi;
-            hi *= 2;
-        }
-        while hi - lo > 1 {
-            let mid = lo + (hi - lo) / 2;
-            if fits(mid)?.is_some() {
-                lo = mid;
-            } else {
-                hi = mid;
-            }
-        }
-        let peak = if lo > 0 { fits(lo)? } else { None };
-        let base = *none.get_or_insert(lo);
-        println!(
-            "| {label} | {precision} | {lo} | {} | {} |",
-            peak.map_or("-".to_string(), fmt_bytes),
-            if base > 0 {
-                format!("{:.2}x", lo as f64 / base as f64)
-            } else {
-                "-".to_string()
-            }
-        );
+    for s in max_batch_strategies() {
+        let row = largest_batch(&config, a.image_size, budget, &s)?;
+        let base = *none.get_or_insert(row.batch);
+        emit(format_args!("{}", format_max_batch_row(&row, base)));
     }
     Ok(())
-}
-
-/// The datasets `train` and `eval` use.
-struct Data {
-    train: Box<dyn Dataset>,
-    val: Box<dyn Dataset>,
-    /// Side of the square images both yield.
-    size: usize,
-    /// Loader threads: only files are worth loading ahead.
-    workers: usize,
-}
-
-/// (train, validation) sets at the requested image size.
-fn load_data(a: &DataArgs, seed: u64) -> Result<Data> {
-    // Before any data is generated or resized: a zero side would reach the
-    // kernels as empty tensors.
-    if a.image_size == Some(0) {
-        bail!("--image-size must be at least 1");
-    }
-    let builtin = ["digits", "fashion-mnist", "synthetic"].contains(&a.data.as_str());
-    if !builtin {
-        return load_folders(a, seed);
-    }
-    if a.val_data.is_some() {
-        bail!(
-            "--val-data needs an image folder as --data, not '{}'",
-            a.data
-        );
-    }
-    let (train, val, native) = match a.data.as_str() {
-        "digits" => {
-            let (t, v) = load_digits(a.val_fraction, seed)?;
-            (t, v, 32)
-        }
-        "fashion-mnist" => {
-            let (t, v) = load_fashion_mnist()?;
-            (t, v, 28)
-        }
-        _ => {
-            if a.classes < 2 {
-                bail!("--classes must be at least 2");
-            }
-            let size = a.image_size.unwrap_or(32);
-            let t = SyntheticGratings::generate(
-                a.train_size,
-                size,
-                a.classes,
-                seed.wrapping_mul(2).wrapping_add(1),
-            );
-            let v = SyntheticGratings::generate(
-                a.val_size,
-                size,
-                a.classes,
-                seed.wrapping_mul(2).wrapping_add(2),
-            );
-            (t, v, size)
-        }
-    };
-    let size = a.image_size.unwrap_or(native);
-    let (train, val): (InMemoryDataset, InMemoryDataset) = (train.resized(size), val.resized(size));
-    Ok(Data {
-        train: Box::new(train),
-        val: Box::new(val),
-        size,
-        workers: 0,
-    })
-}
-
-/// `--data DIR` (and `--val-data DIR`): image folders decoded on the fly.
-fn load_folders(a: &DataArgs, seed: u64) -> Result<Data> {
-    let root = PathBuf::from(&a.data);
-    if !root.is_dir() {
-        bail!(
-            "unknown dataset '{}' (choose digits, fashion-mnist, synthetic or an image folder)",
-            a.data
-        );
-    }
-    let size = a.image_size.unwrap_or(224);
-    let folder = ImageFolder::scan(&root)?;
-    let (train, val) = match &a.val_data {
-        Some(v) => {
-            let val = ImageFolder::scan(v)?;
-            if val.classes != folder.classes {
-                bail!(
-                    "{}: class folders {:?} differ from those of {}: {:?} (labels would not match)",
-                    v.display(),
-                    val.classes,
-                    root.display(),
-                    folder.classes
-                );
-            }
-            (folder, val)
-        }
-        None => folder.split(a.val_fraction, seed)?,
-    };
-    let (train_tf, val_tf) = if a.no_augment {
-        (Transform::no_augment(size), Transform::no_augment(size))
-    } else {
-        (Transform::train(size), Transform::eval(size))
-    };
-    Ok(Data {
-        train: Box::new(ImageFolderDataset {
-            folder: train,
-            transform: train_tf,
-            seed,
-        }),
-        val: Box::new(ImageFolderDataset {
-            folder: val,
-            transform: val_tf,
-            seed,
-        }),
-        size,
-        workers: a.workers,
-    })
-}
-
-fn build_model(
-    pool: &Pool,
-    name: &str,
-    base_width: usize,
-    stem: StemKind,
-    classes: usize,
-    seed: u64,
-) -> Result<ResNet> {
-    let mut config = ResNetConfig::by_name(name)?;
-    config.base_width = base_width;
-    config.stem = stem;
-    config.num_classes = classes;
-    config.seed = seed;
-    Ok(ResNet::new(pool, config)?)
 }
 
 /// `train`, or with `plan_only` just the plan report (`memfit plan`).
@@ -1264,61 +757,37 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
     if a.batch_size == 0 {
         bail!("--batch-size must be at least 1");
     }
-    let budget = a
-        .memory
-        .memory_budget
-        .as_deref()
-        .map(parse_bytes)
-        .transpose()
-        .context("--memory-budget")?;
+    let budget = parse_budget(a.memory.memory_budget.as_deref())?;
     let strategy: Strategy = a.memory.checkpoint.parse()?;
     let fixed_precision = a.memory.precision.parse()?;
-    let micro_batch = match (a.memory.micro_batch, a.memory.accum_steps) {
-        (Some(m), _) => Some(m),
-        (None, Some(0)) => bail!("--accum-steps must be at least 1"),
-        (None, Some(k)) => Some(a.batch_size.div_ceil(k)),
-        (None, None) => None,
-    };
+    let micro_batch =
+        requested_micro_batch(a.batch_size, a.memory.micro_batch, a.memory.accum_steps)?;
     let bn = match a.memory.bn {
         BnKind::Batch => BnPolicy::Batch,
         BnKind::Frozen => BnPolicy::Frozen,
     };
     let pool = Pool::new();
-    let data = load_data(&a.data, a.seed)?;
+    let data = load_data(&a.data.options(), a.seed)?;
     let (train_set, val_set, size) = (&*data.train, &*data.val, data.size);
     let init = a.init.as_ref().map(TensorFile::open).transpose()?;
-    // The dataset decides the classes; without --reset-head they must match --init's fc.
-    let init_rows = match (&init, a.reset_head) {
-        (Some(f), false) => fc_rows(f),
-        _ => None,
-    };
-    let classes = a.num_classes.or(init_rows).unwrap_or(train_set.classes());
-    if classes < train_set.classes() {
-        bail!(
-            "{} classes are too few: the dataset has labels 0..{}",
-            classes,
-            train_set.classes() - 1
-        );
-    }
-    if let (Some(f), Some(rows)) = (&init, init_rows)
-        && rows != classes
-    {
-        bail!(
-            "{}: fc has {rows} classes but the model has {classes}; pass --reset-head to fine-tune with a new head",
-            f.path
-        );
-    }
+    let classes = head_classes(
+        train_set.classes(),
+        a.num_classes,
+        init.as_ref(),
+        a.reset_head,
+    )?;
     if a.steps == Some(0) {
         bail!("--steps must be at least 1");
     }
-    let mut model = build_model(
-        &pool,
-        &a.model,
-        a.base_width,
-        a.stem.into(),
-        classes,
-        a.seed,
-    )?;
+    let base_width = a.data.base_width(a.base_width);
+    let mut model = ModelSpec {
+        name: a.model.clone(),
+        base_width,
+        stem: a.stem.into(),
+        num_classes: classes,
+        seed: a.seed,
+    }
+    .build(&pool)?;
     if let Some(f) = &init {
         load_torchvision(&mut model, f, a.reset_head)?;
     }
@@ -1326,10 +795,10 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
     model.set_bn_policy(bn);
     model.set_precision(fixed_precision.unwrap_or_default());
     model.set_recompute_bn_relu(a.memory.precision.recompute_bn_relu);
-    println!(
+    outln!(
         "training {} (base width {}, {:?} stem, {} parameters) on {}: {} classes, {} train / {} val images at {size}x{size}",
         a.model,
-        a.base_width,
+        base_width,
         StemKind::from(a.stem),
         model.param_count(),
         a.data.data,
@@ -1343,35 +812,16 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
         None => a.epochs,
     };
     let total_steps = a.steps.unwrap_or(steps_per_epoch * a.epochs);
-    let schedule = match a.schedule {
-        ScheduleKind::Constant => Schedule::Constant,
-        ScheduleKind::Step => Schedule::Step {
-            step_size: a.step_epochs * steps_per_epoch,
-            gamma: a.gamma,
-        },
-        ScheduleKind::Cosine => Schedule::Cosine {
-            total_steps,
-            min_lr: 0.0,
-        },
-    };
-    let mut lr_schedule = LrSchedule::new(schedule);
-    if a.warmup_epochs > 0 {
-        lr_schedule = lr_schedule.with_warmup(a.warmup_epochs * steps_per_epoch);
-    }
-    let mut optimizer = match a.optimizer {
-        OptimizerKind::Sgd => Optimizer::Sgd(Sgd::new(
-            a.lr,
-            a.momentum,
-            a.weight_decay.unwrap_or(5e-4),
-            a.nesterov,
-        )),
-        OptimizerKind::Adamw => Optimizer::AdamW(AdamW::with_params(
-            a.lr,
-            (0.9, 0.999),
-            1e-8,
-            a.weight_decay.unwrap_or(0.01),
-        )),
-    };
+    let lr_schedule = lr_schedule(
+        a.schedule.into(),
+        steps_per_epoch,
+        total_steps,
+        a.step_epochs,
+        a.gamma,
+        a.warmup_epochs,
+    );
+    let mut optimizer =
+        setup::OptimizerKind::from(a.optimizer).build(a.lr, a.momentum, a.weight_decay, a.nesterov);
     let resolved = resolve(&PlanRequest {
         config: &model.config,
         bn,
@@ -1386,7 +836,7 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
     })?;
     model.set_precision(resolved.precision);
     if plan_only {
-        print!("{}", report(&resolved, a.batch_size));
+        emit(format_args!("{}", report(&resolved, a.batch_size)));
         return Ok(());
     }
     check_bn_values(&model, bn, a.batch_size, resolved.micro_batch, size)?;
@@ -1398,7 +848,7 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
     if let Some(path) = &a.save_weights {
         check_output_file(path, "--save-weights")?;
     }
-    println!(
+    outln!(
         "plan: {} at micro-batch {} x {} step(s), {}{}; predicted peak {}",
         resolved.plan,
         resolved.micro_batch,
@@ -1411,7 +861,9 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
         },
         fmt_bytes(resolved.predicted.peak_total)
     );
-    note_if_bf16_is_emulated(resolved.precision);
+    if let Some(note) = bf16_emulation_note(resolved.precision) {
+        eprintln!("{note}");
+    }
     if a.memory.scaler_init.is_nan() || a.memory.scaler_init <= 0.0 {
         bail!("--scaler-init must be a positive number");
     }
@@ -1419,36 +871,36 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
         .then(|| GradScaler::new(a.memory.scaler_init, a.memory.scaler_growth_interval));
     // The hard budget from here on: the allocator refuses to cross it.
     pool.set_budget(budget);
-    // Everything the continued run must share with the saved one. Not the
-    // plan: gradients are bit-identical under every plan.
-    let fingerprint = format!(
-        "model={}; base_width={}; stem={:?}; classes={classes}; precision={}; bn_relu_recompute={}; bn={:?}; data={}; image_size={size}; batch_size={}; micro_batch={}; optimizer={:?}; lr={}; momentum={}; nesterov={}; weight_decay={:?}; schedule={:?}; warmup_epochs={}; total_steps={total_steps}; label_smoothing={}; clip_grad_norm={:?}; seed={}; shuffle={}",
-        a.model,
-        a.base_width,
-        StemKind::from(a.stem),
-        resolved.precision,
-        resolved.recompute_bn_relu,
+    let fingerprint = run_fingerprint(&FingerprintInputs {
+        model: &a.model,
+        base_width,
+        stem: a.stem.into(),
+        classes,
+        precision: resolved.precision,
+        recompute_bn_relu: resolved.recompute_bn_relu,
         bn,
-        a.data.data,
-        a.batch_size,
-        resolved.micro_batch,
-        a.optimizer,
-        a.lr,
-        a.momentum,
-        a.nesterov,
-        a.weight_decay,
-        a.schedule,
-        a.warmup_epochs,
-        a.label_smoothing,
-        a.clip_grad_norm,
-        a.seed,
-        !a.no_shuffle,
-    );
+        data: &a.data.data,
+        image_size: size,
+        batch_size: a.batch_size,
+        micro_batch: resolved.micro_batch,
+        optimizer: a.optimizer.into(),
+        lr: a.lr,
+        momentum: a.momentum,
+        nesterov: a.nesterov,
+        weight_decay: a.weight_decay,
+        schedule: a.schedule.into(),
+        warmup_epochs: a.warmup_epochs,
+        total_steps,
+        label_smoothing: a.label_smoothing,
+        clip_grad_norm: a.clip_grad_norm,
+        seed: a.seed,
+        shuffle: !a.no_shuffle,
+    });
     let mut scaler = scaler;
     let mut resume_step = 0;
     if let Some(from) = &a.resume {
         let r = load_checkpoint(from, &pool, &mut model, &mut optimizer, &fingerprint)?;
-        println!(
+        outln!(
             "resuming from {} after optimizer step {}",
             r.path.display(),
             r.step
@@ -1513,7 +965,7 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
                     100.0 * e.top5
                 )
             });
-            println!(
+            outln!(
                 "epoch {}: train loss {:.4}, train top-1 {:.1}%{eval}, lr {:.4}, {:.0} img/s, tracked peak {}",
                 r.epoch,
                 r.train_loss,
@@ -1523,15 +975,15 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
                 fmt_bytes(r.memory.peak_total)
             );
             if r.skipped > 0 {
-                println!("skipped {} unreadable files", r.skipped);
+                outln!("skipped {} unreadable files", r.skipped);
             }
         },
     )?;
-    println!("trained in {:.1} s", start.elapsed().as_secs_f64());
+    outln!("trained in {:.1} s", start.elapsed().as_secs_f64());
     if let Some(last) = reports.last() {
         print_memory(&last.memory);
         let (p, m) = (resolved.predicted.peak_total, last.memory.peak_total);
-        println!(
+        outln!(
             "predicted peak {} vs measured {} ({:+.2}%){}",
             fmt_bytes(p),
             fmt_bytes(m),
@@ -1546,63 +998,11 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
         );
     }
     if let Some(path) = &a.memory.memory_trace {
-        println!("memory trace written to {}", path.display());
+        outln!("memory trace written to {}", path.display());
     }
     if let Some(path) = &a.save_weights {
         save_state_dict(&mut model, path)?;
-        println!("saved weights to {}", path.display());
-    }
-    Ok(())
-}
-
-/// PyTorch's rule for batch norm in training: every channel needs more than
-/// one value (`Expected more than 1 value per channel when training`). With
-/// 1x1 maps before the head that means micro-batches of at least 2; memfit
-/// would otherwise normalise every value to 0 and train on nothing.
-fn check_bn_values(
-    model: &ResNet,
-    bn: BnPolicy,
-    batch: usize,
-    micro: usize,
-    size: usize,
-) -> Result<()> {
-    if bn != BnPolicy::Batch {
-        return Ok(());
-    }
-    let inputs = model.stage_inputs(size, size);
-    // The head's input: the smallest map any batch norm sees.
-    let (h, w, _) = inputs[inputs.len() - 2];
-    let smallest = micro.min(match batch % micro {
-        0 => micro,
-        r => r,
-    });
-    if smallest * h * w < 2 {
-        bail!(
-            "batch norm needs more than one value per channel in training, but {size}x{size} images leave {h}x{w} maps before the head and a micro-batch can hold 1 image (batch {batch}, micro-batch {micro}): use micro-batches of at least 2 images (and a batch size that is not 1 more than a multiple of them), larger images, or --bn frozen"
-        );
-    }
-    Ok(())
-}
-
-/// The file `path` can be created: its folder exists and it is not a
-/// folder itself.
-fn check_output_file(path: &std::path::Path, flag: &str) -> Result<()> {
-    if path.is_dir() {
-        bail!(
-            "{flag} {}: is a directory, expected a file path",
-            path.display()
-        );
-    }
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => std::path::Path::new("."),
-    };
-    if !dir.is_dir() {
-        bail!(
-            "{flag} {}: the folder '{}' does not exist or is not a directory",
-            path.display(),
-            dir.display()
-        );
+        outln!("saved weights to {}", path.display());
     }
     Ok(())
 }
@@ -1612,18 +1012,25 @@ fn eval(a: EvalArgs) -> Result<()> {
         bail!("--batch-size must be at least 1");
     }
     let pool = Pool::new();
-    let data = load_data(&a.data, a.seed)?;
+    let data = load_data(&a.data.options(), a.seed)?;
     let (val_set, size) = (&*data.val, data.size);
     if val_set.is_empty() {
         bail!("no validation images: pass --val-data, or a --val-fraction above 0");
     }
     let file = TensorFile::open(&a.weights)?;
     let classes = fc_rows(&file).unwrap_or(val_set.classes());
-    let mut model = build_model(&pool, &a.model, a.base_width, a.stem.into(), classes, 0)?;
+    let mut model = ModelSpec {
+        name: a.model.clone(),
+        base_width: a.data.base_width(a.base_width),
+        stem: a.stem.into(),
+        num_classes: classes,
+        seed: 0,
+    }
+    .build(&pool)?;
     load_torchvision(&mut model, &file, false)?;
     model.check_image_size(size, size)?;
     let e = evaluate(&mut model, &pool, val_set, a.batch_size, data.workers)?;
-    println!(
+    outln!(
         "{} images: loss {:.4}, top-1 {:.2}%, top-5 {:.2}%",
         e.samples,
         e.loss,
@@ -1631,18 +1038,7 @@ fn eval(a: EvalArgs) -> Result<()> {
         100.0 * e.top5
     );
     if e.skipped > 0 {
-        println!("skipped {} unreadable files", e.skipped);
+        outln!("skipped {} unreadable files", e.skipped);
     }
     Ok(())
-}
-
-/// bf16 saves memory on every CPU, but only runs faster where the CPU has
-/// bf16 dot products; elsewhere its GEMMs are f32 products of rounded
-/// operands. Said once, on stderr, so a user comparing speeds knows why.
-fn note_if_bf16_is_emulated(precision: Precision) {
-    if precision == Precision::BF16 && !memfit::device::cpu::bf16_gemm_available() {
-        eprintln!(
-            "note: this CPU has no AVX512-BF16, so bf16 GEMMs run as f32 products of bf16-rounded operands: the memory saving holds, the speed-up does not"
-        );
-    }
 }

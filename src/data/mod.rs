@@ -15,7 +15,9 @@
 //! layout ([`folder`]), [`decode`] turns JPEG/PNG files into RGB bytes and
 //! [`transform`] into augmented, normalised inputs. Training and evaluation
 //! see both kinds through the [`Dataset`] trait, batched by a [`Loader`]
-//! ([`loader`]) on background threads.
+//! ([`loader`]) on background threads. [`load_data`] ([`registry`]) turns
+//! a dataset's name or folder into the (train, validation) pair a command
+//! uses.
 
 pub mod decode;
 pub mod digits;
@@ -23,6 +25,7 @@ pub mod fashion;
 pub mod folder;
 pub mod idx;
 pub mod loader;
+pub mod registry;
 pub mod resize;
 pub mod transform;
 
@@ -38,6 +41,7 @@ pub use idx::{
     IdxImages, idx_to_dataset, parse_idx_images, parse_idx_labels, read_idx_images, read_idx_labels,
 };
 pub use loader::{Batch, Batches, Dataset, ImageFolderDataset, Loader};
+pub use registry::{Data, DataOptions, load_data};
 pub use resize::{Window, resize_bilinear, resize_crop_u8};
 pub use transform::{
     Augment, IMAGENET_MEAN, IMAGENET_STD, Transform, center_crop_window, eval_resize,

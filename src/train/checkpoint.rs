@@ -18,8 +18,9 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, Result};
 use crate::io::{TensorFile, load_state_dict, save_state_dict_with};
 use crate::memory::Pool;
-use crate::nn::ResNet;
+use crate::nn::{BnPolicy, Precision, ResNet, StemKind};
 use crate::optim::{GradScaler, Optimizer};
+use crate::setup::{OptimizerKind, ScheduleKind};
 
 /// Bumped whenever the layout changes; older files are refused.
 pub const FORMAT_VERSION: &str = "1";
@@ -178,6 +179,77 @@ pub fn save_checkpoint(
 /// stage times a resumed run may choose another one.
 const RETIRED_KEYS: [&str; 1] = ["plan"];
 
+/// Everything a continued run must share with the saved one, as
+/// [`run_fingerprint`] writes it. Not the plan: gradients are
+/// bit-identical under every plan.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FingerprintInputs<'a> {
+    pub model: &'a str,
+    pub base_width: usize,
+    pub stem: StemKind,
+    pub classes: usize,
+    pub precision: Precision,
+    pub recompute_bn_relu: bool,
+    pub bn: BnPolicy,
+    /// The dataset as the run named it (`digits`, a folder's path, ...).
+    pub data: &'a str,
+    pub image_size: usize,
+    pub batch_size: usize,
+    pub micro_batch: usize,
+    pub optimizer: OptimizerKind,
+    pub lr: f32,
+    pub momentum: f32,
+    pub nesterov: bool,
+    /// As given (None: the optimizer's default).
+    pub weight_decay: Option<f32>,
+    pub schedule: ScheduleKind,
+    pub warmup_epochs: usize,
+    pub total_steps: usize,
+    pub label_smoothing: f32,
+    pub clip_grad_norm: Option<f32>,
+    pub seed: u64,
+    pub shuffle: bool,
+}
+
+/// The fingerprint saved with every checkpoint and compared by
+/// [`load_checkpoint`]: `key=value` pairs joined by `"; "`. Its text is
+/// fixed: checkpoints saved by earlier versions must still resume, so a
+/// key is never renamed or reformatted (a test pins it).
+pub fn run_fingerprint(f: &FingerprintInputs) -> String {
+    let stem = match f.stem {
+        StemKind::ImageNet => "ImageNet",
+        StemKind::Small => "Small",
+    };
+    let bn = match f.bn {
+        BnPolicy::Batch => "Batch",
+        BnPolicy::Frozen => "Frozen",
+    };
+    format!(
+        "model={}; base_width={}; stem={stem}; classes={}; precision={}; bn_relu_recompute={}; bn={bn}; data={}; image_size={}; batch_size={}; micro_batch={}; optimizer={}; lr={}; momentum={}; nesterov={}; weight_decay={:?}; schedule={}; warmup_epochs={}; total_steps={}; label_smoothing={}; clip_grad_norm={:?}; seed={}; shuffle={}",
+        f.model,
+        f.base_width,
+        f.classes,
+        f.precision,
+        f.recompute_bn_relu,
+        f.data,
+        f.image_size,
+        f.batch_size,
+        f.micro_batch,
+        f.optimizer.fingerprint_name(),
+        f.lr,
+        f.momentum,
+        f.nesterov,
+        f.weight_decay,
+        f.schedule.fingerprint_name(),
+        f.warmup_epochs,
+        f.total_steps,
+        f.label_smoothing,
+        f.clip_grad_norm,
+        f.seed,
+        f.shuffle,
+    )
+}
+
 /// The differences between two fingerprints (`key=value` pairs joined by
 /// `; `), as `key: saved A, now B`.
 fn fingerprint_diff(saved: &str, now: &str) -> Vec<String> {
@@ -292,6 +364,57 @@ pub fn load_checkpoint(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The text earlier versions saved (the binary's `format!` before the
+    /// fingerprint moved here, at commit eb7909c): it must not change, or
+    /// their checkpoints stop resuming.
+    #[test]
+    fn the_fingerprint_text_is_that_of_saved_runs() {
+        let mut f = FingerprintInputs {
+            model: "resnet18",
+            base_width: 16,
+            stem: StemKind::ImageNet,
+            classes: 10,
+            precision: Precision::F32,
+            recompute_bn_relu: false,
+            bn: BnPolicy::Batch,
+            data: "digits",
+            image_size: 32,
+            batch_size: 64,
+            micro_batch: 64,
+            optimizer: OptimizerKind::Sgd,
+            lr: 0.05,
+            momentum: 0.9,
+            nesterov: false,
+            weight_decay: None,
+            schedule: ScheduleKind::Cosine,
+            warmup_epochs: 0,
+            total_steps: 230,
+            label_smoothing: 0.0,
+            clip_grad_norm: None,
+            seed: 0,
+            shuffle: true,
+        };
+        assert_eq!(
+            run_fingerprint(&f),
+            "model=resnet18; base_width=16; stem=ImageNet; classes=10; precision=fp32; bn_relu_recompute=false; bn=Batch; data=digits; image_size=32; batch_size=64; micro_batch=64; optimizer=Sgd; lr=0.05; momentum=0.9; nesterov=false; weight_decay=None; schedule=Cosine; warmup_epochs=0; total_steps=230; label_smoothing=0; clip_grad_norm=None; seed=0; shuffle=true"
+        );
+        f.stem = StemKind::Small;
+        f.precision = Precision::BF16;
+        f.recompute_bn_relu = true;
+        f.bn = BnPolicy::Frozen;
+        f.optimizer = OptimizerKind::Adamw;
+        f.weight_decay = Some(0.01);
+        f.schedule = ScheduleKind::Step;
+        f.clip_grad_norm = Some(1.5);
+        f.shuffle = false;
+        assert_eq!(
+            run_fingerprint(&f),
+            "model=resnet18; base_width=16; stem=Small; classes=10; precision=bf16; bn_relu_recompute=true; bn=Frozen; data=digits; image_size=32; batch_size=64; micro_batch=64; optimizer=Adamw; lr=0.05; momentum=0.9; nesterov=false; weight_decay=Some(0.01); schedule=Step; warmup_epochs=0; total_steps=230; label_smoothing=0; clip_grad_norm=Some(1.5); seed=0; shuffle=false"
+        );
+        f.schedule = ScheduleKind::Constant;
+        assert!(run_fingerprint(&f).contains("; schedule=Constant;"));
+    }
 
     #[test]
     fn fingerprint_differences_are_named() {

@@ -1,0 +1,261 @@
+//! `memfit bench step`: warm-up and timed training steps (forward,
+//! backward, SGD) of one model on one fixed synthetic batch, under a memory
+//! plan, with the tracked peak per category and the prediction beside it.
+
+use std::io::Write;
+use std::time::Instant;
+
+use super::outln;
+use crate::data::SyntheticGratings;
+use crate::error::{Error, Result};
+use crate::exec::{LossOptions, forward_backward};
+use crate::memory::{Category, MemoryStats, Pool, Tag, fmt_bytes};
+use crate::nn::{BnPolicy, Precision, ResNet};
+use crate::optim::Sgd;
+use crate::plan::{PlanRequest, resolve, simulate_training};
+use crate::setup::{ModelSpec, bf16_emulation_note, parse_precision};
+use crate::train::Optimizer;
+
+/// What to time. The plan, time model and precision are the flags' text
+/// (`segments:4`, `flops`, `auto`), parsed where the step reaches them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepOptions {
+    pub model: ModelSpec,
+    pub image_size: usize,
+    pub batch_size: usize,
+    /// Timed steps.
+    pub steps: usize,
+    /// Untimed steps first (buffers are allocated in the first one).
+    pub warmup: usize,
+    /// The pool's hard budget, bytes.
+    pub memory_budget: Option<usize>,
+    /// none, segments:K, stages:..., auto.
+    pub checkpoint: String,
+    /// Stage times for `auto`: measured or flops.
+    pub time_model: String,
+    /// Samples per forward/backward (gradients accumulate over the batch).
+    pub micro_batch: Option<usize>,
+    /// fp32, bf16, f16 or auto.
+    pub precision: String,
+    pub recompute_bn_relu: bool,
+    /// Time per op family too ([`format_profile`]).
+    pub profile: bool,
+}
+
+/// What one `bench step` measured.
+#[derive(Clone, Debug)]
+pub struct StepResult {
+    pub plan: String,
+    /// Forward FLOPs the plan recomputes over the FLOPs of a plain step
+    /// (forward + backward = 3 forwards).
+    pub recompute_fraction: f64,
+    pub precision: Precision,
+    pub micro_batch: usize,
+    pub median_seconds: f64,
+    pub measured: MemoryStats,
+    pub predicted: usize,
+}
+
+/// Runs warm-up + timed steps of `a` on a fixed synthetic batch, reporting
+/// the model, plan, (with `verbose`) every step, allocations and the
+/// median time to `out`.
+pub fn measure_steps(a: &StepOptions, verbose: bool, out: &mut dyn Write) -> Result<StepResult> {
+    if a.batch_size == 0 || a.steps == 0 {
+        return Err(Error::Usage(
+            "--batch-size and --steps must be at least 1".into(),
+        ));
+    }
+    let budget = a.memory_budget;
+    let pool = Pool::new();
+    let mut config = a.model.config()?;
+    let fixed_precision = parse_precision(&a.precision)?;
+    config.precision = fixed_precision.unwrap_or_default();
+    config.recompute_bn_relu = a.recompute_bn_relu;
+    let mut model = ResNet::new(&pool, config)?;
+    model.check_image_size(a.image_size, a.image_size)?;
+    let params = model.param_count();
+    let (n, s) = (a.batch_size, a.image_size);
+    outln!(
+        out,
+        "{} (base width {}, {:?} stem), {params} parameters, batch {n} at {s}x{s}, {} threads",
+        a.model.name,
+        a.model.base_width,
+        a.model.stem,
+        rayon::current_num_threads()
+    );
+    let predicted_saved: usize = model.saved_bytes_per_stage(n, s, s).iter().sum();
+    outln!(
+        out,
+        "saved activations (closed form): {}",
+        fmt_bytes(predicted_saved)
+    );
+
+    // A fixed synthetic batch, as the PyTorch baseline uses.
+    let data = SyntheticGratings::generate(n, s, a.model.num_classes.min(1000), 1);
+    let labels = data.labels.clone();
+    let mut sgd = Sgd::new(0.1, 0.9, 0.0, false);
+    let resolved = resolve(&PlanRequest {
+        config: &model.config,
+        bn: BnPolicy::Batch,
+        optimizer: &Optimizer::Sgd(Sgd::new(0.1, 0.9, 0.0, false)),
+        batch: n,
+        micro_batch: a.micro_batch,
+        image_size: s,
+        budget,
+        strategy: a.checkpoint.parse()?,
+        auto_precision: fixed_precision.is_none(),
+        time_model: a.time_model.parse()?,
+    })?;
+    model.set_precision(resolved.precision);
+    let (plan, micro) = (resolved.plan.clone(), resolved.micro_batch);
+    // The bench runs training steps only: predict those, without evaluation.
+    let predicted = simulate_training(
+        &model.config,
+        BnPolicy::Batch,
+        &Optimizer::Sgd(Sgd::new(0.1, 0.9, 0.0, false)),
+        &plan,
+        micro,
+        s,
+    )?
+    .peak_total;
+    outln!(
+        out,
+        "plan {plan} at micro-batch {micro}, {}{}; predicted peak {}",
+        resolved.precision,
+        if resolved.recompute_bn_relu {
+            ", BN+ReLU recomputed"
+        } else {
+            ""
+        },
+        fmt_bytes(predicted)
+    );
+    if let Some(note) = bf16_emulation_note(resolved.precision) {
+        eprintln!("{note}");
+    }
+    pool.set_budget(budget);
+    let mut times = Vec::new();
+    let mut timed_from = pool.stats();
+    for i in 0..a.warmup + a.steps {
+        if i == a.warmup {
+            pool.reset_peak();
+            timed_from = pool.stats();
+            crate::profile::enable(a.profile);
+        }
+        let t = Instant::now();
+        model.zero_grad();
+        let mut loss = 0.0;
+        let px = s * s * 3;
+        for start in (0..n).step_by(micro) {
+            let m = micro.min(n - start);
+            let images = pool.from_f32(
+                &[m, s, s, 3],
+                &data.images[start * px..(start + m) * px],
+                Category::Data,
+                Tag::fixed("batch.images"),
+            )?;
+            let o = forward_backward(
+                &mut model,
+                &pool,
+                &plan,
+                images,
+                &labels[start..start + m],
+                LossOptions {
+                    label_smoothing: 0.0,
+                    window_samples: Some(n),
+                    scale: None,
+                },
+            )?;
+            loss += o.loss * m as f64 / n as f64;
+        }
+        sgd.step(&pool, &mut model)?;
+        let secs = t.elapsed().as_secs_f64();
+        let kind = if i < a.warmup { "warm-up" } else { "step" };
+        if verbose {
+            outln!(out, "{kind} {}: loss {loss:.4}, {secs:.3} s", i + 1);
+        }
+        if i >= a.warmup {
+            times.push(secs);
+        }
+    }
+    let total: f64 = times.iter().sum();
+    // Memory the cache could not serve: fresh pages cost faults and zeroing.
+    let now = pool.stats();
+    let fresh = now.system_alloc_bytes - timed_from.system_alloc_bytes;
+    let (fresh_n, reused) = (
+        now.system_allocs - timed_from.system_allocs,
+        now.reuses - timed_from.reuses,
+    );
+    outln!(
+        out,
+        "system allocations per timed step: {:.1} ({}); {reused} of {} requests served from the cache",
+        fresh_n as f64 / a.steps as f64,
+        fmt_bytes(fresh / a.steps),
+        reused + fresh_n
+    );
+    times.sort_by(f64::total_cmp);
+    let median = times[times.len() / 2];
+    outln!(
+        out,
+        "median {median:.3} s/step, {:.2} img/s",
+        n as f64 / median
+    );
+    if a.profile {
+        let totals = crate::profile::totals();
+        crate::profile::enable(false);
+        write!(out, "{}", format_profile(&totals, total, a.steps)).map_err(Error::Output)?;
+    }
+    let stages = &resolved.costs.stages;
+    let forward: f64 = stages.iter().map(|st| st.forward_flops).sum();
+    let recomputed: f64 = plan
+        .segments
+        .iter()
+        .filter(|seg| seg.recompute)
+        .flat_map(|seg| seg.start..seg.end)
+        .map(|i| stages[i].forward_flops)
+        .sum();
+    Ok(StepResult {
+        plan: plan.to_string(),
+        recompute_fraction: recomputed / (3.0 * forward).max(1.0),
+        precision: resolved.precision,
+        micro_batch: micro,
+        median_seconds: median,
+        measured: pool.stats(),
+        predicted,
+    })
+}
+
+/// The `--profile` table: seconds per step per op family, share of the
+/// step, and GFLOP/s where the family does FLOPs; one line each.
+pub fn format_profile(
+    totals: &[(crate::profile::Family, f64, f64)],
+    total: f64,
+    steps: usize,
+) -> String {
+    use std::fmt::Write as _;
+    let per = |x: f64| x / steps.max(1) as f64;
+    let mut s = String::from("| op family | s/step | share | GFLOP/s |\n|---|---|---|---|\n");
+    let mut accounted = 0.0;
+    for (f, secs, flops) in totals {
+        accounted += secs;
+        let rate = if *flops > 0.0 && *secs > 0.0 {
+            format!("{:.1}", flops / secs / 1e9)
+        } else {
+            "-".into()
+        };
+        let _ = writeln!(
+            s,
+            "| {} | {:.3} | {:.0}% | {rate} |",
+            f.name(),
+            per(*secs),
+            100.0 * secs / total.max(1e-12)
+        );
+    }
+    let rest = (total - accounted).max(0.0);
+    let _ = writeln!(
+        s,
+        "| other (ReLU, pooling, add, loss, conversions, optimizer) | {:.3} | {:.0}% | - |",
+        per(rest),
+        100.0 * rest / total.max(1e-12)
+    );
+    s
+}

@@ -1,0 +1,153 @@
+//! The datasets a command names: `digits`, `fashion-mnist`, `synthetic`
+//! or the path of an image folder, turned into a (train, validation) pair
+//! at one image size. Knows the built-in sets and the folder layout, not
+//! the model or the command line's parser.
+
+use std::path::PathBuf;
+
+use super::{
+    Dataset, ImageFolder, ImageFolderDataset, InMemoryDataset, SyntheticGratings, Transform,
+    load_digits, load_fashion_mnist,
+};
+use crate::error::{Error, Result};
+
+/// What to load; the fields are those of `memfit train`'s data flags.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DataOptions {
+    /// `digits`, `fashion-mnist`, `synthetic`, or an image folder's path.
+    pub data: String,
+    /// A separate validation image folder (only with a folder `data`).
+    pub val_data: Option<PathBuf>,
+    /// Side of the square network input. None: 32 for digits and
+    /// synthetic, 28 for fashion-mnist, 224 for image folders.
+    pub image_size: Option<usize>,
+    /// Image folders: threads decoding batches ahead of the step.
+    pub workers: usize,
+    /// Image folders: resize and centre-crop only, no random crop or flip.
+    pub no_augment: bool,
+    /// Classes of the synthetic gratings.
+    pub classes: usize,
+    /// Images of the synthetic training set.
+    pub train_size: usize,
+    /// Images of the synthetic validation set.
+    pub val_size: usize,
+    /// Fraction held out for validation from the digits, or from an image
+    /// folder without `val_data`.
+    pub val_fraction: f32,
+}
+
+/// The datasets `train` and `eval` use.
+pub struct Data {
+    pub train: Box<dyn Dataset>,
+    pub val: Box<dyn Dataset>,
+    /// Side of the square images both yield.
+    pub size: usize,
+    /// Loader threads: only files are worth loading ahead.
+    pub workers: usize,
+}
+
+/// (train, validation) sets at the requested image size.
+pub fn load_data(a: &DataOptions, seed: u64) -> Result<Data> {
+    // Before any data is generated or resized: a zero side would reach the
+    // kernels as empty tensors.
+    if a.image_size == Some(0) {
+        return Err(Error::Usage("--image-size must be at least 1".into()));
+    }
+    let builtin = ["digits", "fashion-mnist", "synthetic"].contains(&a.data.as_str());
+    if !builtin {
+        return load_folders(a, seed);
+    }
+    if a.val_data.is_some() {
+        return Err(Error::Usage(format!(
+            "--val-data needs an image folder as --data, not '{}'",
+            a.data
+        )));
+    }
+    let (train, val, native) = match a.data.as_str() {
+        "digits" => {
+            let (t, v) = load_digits(a.val_fraction, seed)?;
+            (t, v, 32)
+        }
+        "fashion-mnist" => {
+            let (t, v) = load_fashion_mnist()?;
+            (t, v, 28)
+        }
+        _ => {
+            if a.classes < 2 {
+                return Err(Error::Usage("--classes must be at least 2".into()));
+            }
+            let size = a.image_size.unwrap_or(32);
+            let t = SyntheticGratings::generate(
+                a.train_size,
+                size,
+                a.classes,
+                seed.wrapping_mul(2).wrapping_add(1),
+            );
+            let v = SyntheticGratings::generate(
+                a.val_size,
+                size,
+                a.classes,
+                seed.wrapping_mul(2).wrapping_add(2),
+            );
+            (t, v, size)
+        }
+    };
+    let size = a.image_size.unwrap_or(native);
+    let (train, val): (InMemoryDataset, InMemoryDataset) = (train.resized(size), val.resized(size));
+    Ok(Data {
+        train: Box::new(train),
+        val: Box::new(val),
+        size,
+        workers: 0,
+    })
+}
+
+/// A folder `data` (and `val_data`): image folders decoded on the fly.
+fn load_folders(a: &DataOptions, seed: u64) -> Result<Data> {
+    let root = PathBuf::from(&a.data);
+    if !root.is_dir() {
+        return Err(Error::Usage(format!(
+            "unknown dataset '{}' (choose digits, fashion-mnist, synthetic or an image folder)",
+            a.data
+        )));
+    }
+    let size = a.image_size.unwrap_or(224);
+    let folder = ImageFolder::scan(&root)?;
+    let (train, val) = match &a.val_data {
+        Some(v) => {
+            let val = ImageFolder::scan(v)?;
+            if val.classes != folder.classes {
+                return Err(Error::BadData {
+                    path: v.display().to_string(),
+                    reason: format!(
+                        "class folders {:?} differ from those of {}: {:?} (labels would not match)",
+                        val.classes,
+                        root.display(),
+                        folder.classes
+                    ),
+                });
+            }
+            (folder, val)
+        }
+        None => folder.split(a.val_fraction, seed)?,
+    };
+    let (train_tf, val_tf) = if a.no_augment {
+        (Transform::no_augment(size), Transform::no_augment(size))
+    } else {
+        (Transform::train(size), Transform::eval(size))
+    };
+    Ok(Data {
+        train: Box::new(ImageFolderDataset {
+            folder: train,
+            transform: train_tf,
+            seed,
+        }),
+        val: Box::new(ImageFolderDataset {
+            folder: val,
+            transform: val_tf,
+            seed,
+        }),
+        size,
+        workers: a.workers,
+    })
+}

@@ -1,0 +1,304 @@
+//! What a command assembles before it runs, shared by `train`, `plan`,
+//! `eval` and the benchmarks: the model from its name and flags (one
+//! builder, so every command builds the same network from the same flags),
+//! the default width, and the checks on a configuration that no single
+//! layer can make. It knows the zoo and the shapes, not the command line's
+//! parser or the training loop.
+
+use std::path::Path;
+
+use crate::error::{Error, Result};
+use crate::io::{TensorFile, fc_rows};
+use crate::memory::Pool;
+use crate::nn::{BnPolicy, Precision, ResNet, ResNetConfig, StemKind};
+use crate::optim::{AdamW, LrSchedule, Schedule, Sgd};
+use crate::train::Optimizer;
+
+/// torchvision's width of the stem and layer1: `--model resnet50` is then
+/// torchvision's ResNet-50 (25,557,032 parameters).
+pub const TORCHVISION_BASE_WIDTH: usize = 64;
+
+/// The width of the default run on the embedded 8×8 digits, where a quarter
+/// of torchvision's width learns as well in a fraction of the time.
+pub const DIGITS_BASE_WIDTH: usize = 16;
+
+/// The base width when none is given: [`DIGITS_BASE_WIDTH`] for the
+/// embedded digits (`--data digits`), [`TORCHVISION_BASE_WIDTH`] for every
+/// other dataset.
+pub fn default_base_width(data: &str) -> usize {
+    if data == "digits" {
+        DIGITS_BASE_WIDTH
+    } else {
+        TORCHVISION_BASE_WIDTH
+    }
+}
+
+/// `fp32`, `bf16`, `f16` (and their aliases) as that precision; `auto` as
+/// None (the planner chooses).
+pub fn parse_precision(s: &str) -> Result<Option<Precision>> {
+    if s == "auto" {
+        return Ok(None);
+    }
+    Ok(Some(s.parse()?))
+}
+
+/// bf16 saves memory on every CPU, but only runs faster where the CPU has
+/// bf16 dot products; elsewhere its GEMMs are f32 products of rounded
+/// operands. The note a command prints once (on stderr) so that a user
+/// comparing speeds knows why; None where it does not apply.
+pub fn bf16_emulation_note(precision: Precision) -> Option<&'static str> {
+    (precision == Precision::BF16 && !crate::device::cpu::bf16_gemm_available()).then_some(
+        "note: this CPU has no AVX512-BF16, so bf16 GEMMs run as f32 products of bf16-rounded operands: the memory saving holds, the speed-up does not",
+    )
+}
+
+/// The optimizer a run trains with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OptimizerKind {
+    Sgd,
+    Adamw,
+}
+
+impl OptimizerKind {
+    /// The optimizer; `weight_decay` None is 5e-4 for SGD, 0.01 for AdamW
+    /// (betas 0.9, 0.999, eps 1e-8; `momentum` and `nesterov` are SGD's).
+    pub fn build(
+        self,
+        lr: f32,
+        momentum: f32,
+        weight_decay: Option<f32>,
+        nesterov: bool,
+    ) -> Optimizer {
+        match self {
+            OptimizerKind::Sgd => Optimizer::Sgd(Sgd::new(
+                lr,
+                momentum,
+                weight_decay.unwrap_or(5e-4),
+                nesterov,
+            )),
+            OptimizerKind::Adamw => Optimizer::AdamW(AdamW::with_params(
+                lr,
+                (0.9, 0.999),
+                1e-8,
+                weight_decay.unwrap_or(0.01),
+            )),
+        }
+    }
+
+    /// The name resume fingerprints hold (fixed: saved runs compare it).
+    pub fn fingerprint_name(self) -> &'static str {
+        match self {
+            OptimizerKind::Sgd => "Sgd",
+            OptimizerKind::Adamw => "Adamw",
+        }
+    }
+}
+
+/// The shape of a run's learning-rate schedule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScheduleKind {
+    Constant,
+    Step,
+    Cosine,
+}
+
+impl ScheduleKind {
+    /// The name resume fingerprints hold (fixed: saved runs compare it).
+    pub fn fingerprint_name(self) -> &'static str {
+        match self {
+            ScheduleKind::Constant => "Constant",
+            ScheduleKind::Step => "Step",
+            ScheduleKind::Cosine => "Cosine",
+        }
+    }
+}
+
+/// The LR schedule of a run in optimizer steps: `kind` over `total_steps`
+/// (step: times `gamma` every `step_epochs`), after `warmup_epochs` of
+/// linear warmup.
+pub fn lr_schedule(
+    kind: ScheduleKind,
+    steps_per_epoch: usize,
+    total_steps: usize,
+    step_epochs: usize,
+    gamma: f32,
+    warmup_epochs: usize,
+) -> LrSchedule {
+    let schedule = match kind {
+        ScheduleKind::Constant => Schedule::Constant,
+        ScheduleKind::Step => Schedule::Step {
+            step_size: step_epochs * steps_per_epoch,
+            gamma,
+        },
+        ScheduleKind::Cosine => Schedule::Cosine {
+            total_steps,
+            min_lr: 0.0,
+        },
+    };
+    let mut lr_schedule = LrSchedule::new(schedule);
+    if warmup_epochs > 0 {
+        lr_schedule = lr_schedule.with_warmup(warmup_epochs * steps_per_epoch);
+    }
+    lr_schedule
+}
+
+/// The micro-batch asked for: `micro_batch`, or a `batch` split into
+/// `accum_steps`; None: the planner's choice (the whole batch, or with
+/// `auto` the largest that fits).
+pub fn requested_micro_batch(
+    batch: usize,
+    micro_batch: Option<usize>,
+    accum_steps: Option<usize>,
+) -> Result<Option<usize>> {
+    match (micro_batch, accum_steps) {
+        (Some(m), _) => Ok(Some(m)),
+        (None, Some(0)) => Err(Error::Usage("--accum-steps must be at least 1".into())),
+        (None, Some(k)) => Ok(Some(batch.div_ceil(k))),
+        (None, None) => Ok(None),
+    }
+}
+
+/// The classes of the head: `num_classes`, else the rows of `init`'s fc
+/// (unless `reset_head`), else the dataset's. Too few for the dataset's
+/// labels, or a mismatch with `init`'s fc without `reset_head`, is an
+/// error.
+pub fn head_classes(
+    dataset_classes: usize,
+    num_classes: Option<usize>,
+    init: Option<&TensorFile>,
+    reset_head: bool,
+) -> Result<usize> {
+    // The dataset decides the classes; without reset_head they must match init's fc.
+    let init_rows = match (init, reset_head) {
+        (Some(f), false) => fc_rows(f),
+        _ => None,
+    };
+    let classes = num_classes.or(init_rows).unwrap_or(dataset_classes);
+    if classes < dataset_classes {
+        return Err(Error::Usage(format!(
+            "{} classes are too few: the dataset has labels 0..{}",
+            classes,
+            dataset_classes - 1
+        )));
+    }
+    if let (Some(f), Some(rows)) = (init, init_rows)
+        && rows != classes
+    {
+        return Err(Error::BadWeights {
+            path: f.path.clone(),
+            reason: format!(
+                "fc has {rows} classes but the model has {classes}; pass --reset-head to fine-tune with a new head"
+            ),
+        });
+    }
+    Ok(classes)
+}
+
+/// A zoo model with the flags every command shares.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelSpec {
+    /// resnet18, resnet34, resnet50, resnet101 or resnet152.
+    pub name: String,
+    /// Channels of the stem and layer1.
+    pub base_width: usize,
+    pub stem: StemKind,
+    pub num_classes: usize,
+    /// Seeds the initial weights.
+    pub seed: u64,
+}
+
+impl ModelSpec {
+    /// The zoo's configuration for `name` with this spec's fields; the
+    /// rest (precision, batch norm, recomputation) at their defaults.
+    pub fn config(&self) -> Result<ResNetConfig> {
+        let mut config = ResNetConfig::by_name(&self.name)?;
+        config.base_width = self.base_width;
+        config.stem = self.stem;
+        config.num_classes = self.num_classes;
+        config.seed = self.seed;
+        Ok(config)
+    }
+
+    /// A freshly initialised model.
+    pub fn build(&self, pool: &Pool) -> Result<ResNet> {
+        ResNet::new(pool, self.config()?)
+    }
+}
+
+/// PyTorch's rule for batch norm in training: every channel needs more than
+/// one value (`Expected more than 1 value per channel when training`). With
+/// 1x1 maps before the head that means micro-batches of at least 2; memfit
+/// would otherwise normalise every value to 0 and train on nothing.
+pub fn check_bn_values(
+    model: &ResNet,
+    bn: BnPolicy,
+    batch: usize,
+    micro: usize,
+    size: usize,
+) -> Result<()> {
+    if bn != BnPolicy::Batch {
+        return Ok(());
+    }
+    let inputs = model.stage_inputs(size, size);
+    // The head's input: the smallest map any batch norm sees.
+    let (h, w, _) = inputs[inputs.len() - 2];
+    let smallest = micro.min(match batch % micro {
+        0 => micro,
+        r => r,
+    });
+    if smallest * h * w < 2 {
+        return Err(Error::Usage(format!(
+            "batch norm needs more than one value per channel in training, but {size}x{size} images leave {h}x{w} maps before the head and a micro-batch can hold 1 image (batch {batch}, micro-batch {micro}): use micro-batches of at least 2 images (and a batch size that is not 1 more than a multiple of them), larger images, or --bn frozen"
+        )));
+    }
+    Ok(())
+}
+
+/// The file `path` can be created: its folder exists and it is not a
+/// folder itself. `flag` names the option that gave it.
+pub fn check_output_file(path: &Path, flag: &str) -> Result<()> {
+    if path.is_dir() {
+        return Err(Error::Usage(format!(
+            "{flag} {}: is a directory, expected a file path",
+            path.display()
+        )));
+    }
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    if !dir.is_dir() {
+        return Err(Error::Usage(format!(
+            "{flag} {}: the folder '{}' does not exist or is not a directory",
+            path.display(),
+            dir.display()
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_digits_default_to_a_narrow_network() {
+        assert_eq!(default_base_width("digits"), 16);
+        for data in ["synthetic", "fashion-mnist", "./digits", "/data/imagenet"] {
+            assert_eq!(default_base_width(data), 64, "{data}");
+        }
+    }
+
+    #[test]
+    fn the_default_resnet50_is_torchvisions() {
+        let spec = ModelSpec {
+            name: "resnet50".into(),
+            base_width: TORCHVISION_BASE_WIDTH,
+            stem: StemKind::ImageNet,
+            num_classes: 1000,
+            seed: 0,
+        };
+        let mut model = spec.build(&Pool::new()).unwrap();
+        assert_eq!(model.param_count(), 25_557_032);
+    }
+}
