@@ -7,12 +7,12 @@
 
 use std::path::Path;
 
+use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::io::{TensorFile, fc_rows};
 use crate::memory::Pool;
 use crate::nn::{BnPolicy, Precision, ResNet, ResNetConfig, StemKind};
-use crate::optim::{AdamW, LrSchedule, Schedule, Sgd};
-use crate::train::Optimizer;
+pub use crate::optim::{OptimizerKind, ScheduleKind, lr_schedule};
 
 /// torchvision's width of the stem and layer1: `--model resnet50` is then
 /// torchvision's ResNet-50 (25,557,032 parameters).
@@ -47,99 +47,9 @@ pub fn parse_precision(s: &str) -> Result<Option<Precision>> {
 /// operands. The note a command prints once (on stderr) so that a user
 /// comparing speeds knows why; None where it does not apply.
 pub fn bf16_emulation_note(precision: Precision) -> Option<&'static str> {
-    (precision == Precision::BF16 && !crate::device::cpu::bf16_gemm_available()).then_some(
+    (precision == Precision::BF16 && !Device::Cpu.capabilities().native_bf16).then_some(
         "note: this CPU has no AVX512-BF16, so bf16 GEMMs run as f32 products of bf16-rounded operands: the memory saving holds, the speed-up does not",
     )
-}
-
-/// The optimizer a run trains with.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OptimizerKind {
-    Sgd,
-    Adamw,
-}
-
-impl OptimizerKind {
-    /// The optimizer; `weight_decay` None is 5e-4 for SGD, 0.01 for AdamW
-    /// (betas 0.9, 0.999, eps 1e-8; `momentum` and `nesterov` are SGD's).
-    pub fn build(
-        self,
-        lr: f32,
-        momentum: f32,
-        weight_decay: Option<f32>,
-        nesterov: bool,
-    ) -> Optimizer {
-        match self {
-            OptimizerKind::Sgd => Optimizer::Sgd(Sgd::new(
-                lr,
-                momentum,
-                weight_decay.unwrap_or(5e-4),
-                nesterov,
-            )),
-            OptimizerKind::Adamw => Optimizer::AdamW(AdamW::with_params(
-                lr,
-                (0.9, 0.999),
-                1e-8,
-                weight_decay.unwrap_or(0.01),
-            )),
-        }
-    }
-
-    /// The name resume fingerprints hold (fixed: saved runs compare it).
-    pub fn fingerprint_name(self) -> &'static str {
-        match self {
-            OptimizerKind::Sgd => "Sgd",
-            OptimizerKind::Adamw => "Adamw",
-        }
-    }
-}
-
-/// The shape of a run's learning-rate schedule.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ScheduleKind {
-    Constant,
-    Step,
-    Cosine,
-}
-
-impl ScheduleKind {
-    /// The name resume fingerprints hold (fixed: saved runs compare it).
-    pub fn fingerprint_name(self) -> &'static str {
-        match self {
-            ScheduleKind::Constant => "Constant",
-            ScheduleKind::Step => "Step",
-            ScheduleKind::Cosine => "Cosine",
-        }
-    }
-}
-
-/// The LR schedule of a run in optimizer steps: `kind` over `total_steps`
-/// (step: times `gamma` every `step_epochs`), after `warmup_epochs` of
-/// linear warmup.
-pub fn lr_schedule(
-    kind: ScheduleKind,
-    steps_per_epoch: usize,
-    total_steps: usize,
-    step_epochs: usize,
-    gamma: f32,
-    warmup_epochs: usize,
-) -> LrSchedule {
-    let schedule = match kind {
-        ScheduleKind::Constant => Schedule::Constant,
-        ScheduleKind::Step => Schedule::Step {
-            step_size: step_epochs * steps_per_epoch,
-            gamma,
-        },
-        ScheduleKind::Cosine => Schedule::Cosine {
-            total_steps,
-            min_lr: 0.0,
-        },
-    };
-    let mut lr_schedule = LrSchedule::new(schedule);
-    if warmup_epochs > 0 {
-        lr_schedule = lr_schedule.with_warmup(warmup_epochs * steps_per_epoch);
-    }
-    lr_schedule
 }
 
 /// The micro-batch asked for: `micro_batch`, or a `batch` split into

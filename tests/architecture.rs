@@ -25,8 +25,12 @@ const RANKS: &[(&str, u32)] = &[
     ("io", 6),
     ("plan", 7),
     ("train", 8),
-    ("bench", 9),
+    ("setup", 9),
+    ("bench", 10),
 ];
+
+/// Names the crate root re-exports, and the module they come from.
+const ROOT_REEXPORTS: &[(&str, &str)] = &[("Error", "error"), ("Result", "error")];
 
 /// Modules above the backend boundary: no host slices outside tests.
 const ABOVE_BOUNDARY: &[&str] = &["nn", "exec", "optim", "plan", "train"];
@@ -77,8 +81,12 @@ fn crate_refs(code: &str) -> Vec<String> {
             .chars()
             .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
             .collect();
-        if !name.is_empty() {
-            out.push(name);
+        if name.is_empty() {
+            continue;
+        }
+        match ROOT_REEXPORTS.iter().find(|(n, _)| *n == name) {
+            Some((_, module)) => out.push(module.to_string()),
+            None => out.push(name),
         }
     }
     out

@@ -8,13 +8,13 @@ use std::time::Instant;
 use super::outln;
 use crate::data::SyntheticGratings;
 use crate::error::{Error, Result};
-use crate::exec::{LossOptions, forward_backward};
-use crate::memory::{Category, MemoryStats, Pool, Tag, fmt_bytes};
+use crate::memory::{MemoryStats, Pool, fmt_bytes};
 use crate::nn::{BnPolicy, Precision, ResNet};
 use crate::optim::Sgd;
 use crate::plan::{PlanRequest, resolve, simulate_training};
 use crate::setup::{ModelSpec, bf16_emulation_note, parse_precision};
-use crate::train::Optimizer;
+use crate::train::step::{StepPolicy, TrainStep};
+use crate::train::{NanPolicy, Optimizer};
 
 /// What to time. The plan, time model and precision are the flags' text
 /// (`segments:4`, `flops`, `auto`), parsed where the step reaches them.
@@ -93,7 +93,6 @@ pub fn measure_steps(a: &StepOptions, verbose: bool, out: &mut dyn Write) -> Res
     // A fixed synthetic batch, as the PyTorch baseline uses.
     let data = SyntheticGratings::generate(n, s, a.model.num_classes.min(1000), 1);
     let labels = data.labels.clone();
-    let mut sgd = Sgd::new(0.1, 0.9, 0.0, false);
     let resolved = resolve(&PlanRequest {
         config: &model.config,
         bn: BnPolicy::Batch,
@@ -133,6 +132,18 @@ pub fn measure_steps(a: &StepOptions, verbose: bool, out: &mut dyn Write) -> Res
         eprintln!("{note}");
     }
     pool.set_budget(budget);
+    // The training step `train` runs (its NaN checks included), with SGD.
+    let mut sgd = Optimizer::Sgd(Sgd::new(0.1, 0.9, 0.0, false));
+    let mut trainer = TrainStep::new(
+        StepPolicy {
+            plan: plan.clone(),
+            micro_batch: micro,
+            label_smoothing: 0.0,
+            clip_grad_norm: None,
+            nan_policy: NanPolicy::Stop,
+        },
+        None,
+    );
     let mut times = Vec::new();
     let mut timed_from = pool.stats();
     for i in 0..a.warmup + a.steps {
@@ -142,32 +153,18 @@ pub fn measure_steps(a: &StepOptions, verbose: bool, out: &mut dyn Write) -> Res
             crate::profile::enable(a.profile);
         }
         let t = Instant::now();
-        model.zero_grad();
-        let mut loss = 0.0;
-        let px = s * s * 3;
-        for start in (0..n).step_by(micro) {
-            let m = micro.min(n - start);
-            let images = pool.from_f32(
-                &[m, s, s, 3],
-                &data.images[start * px..(start + m) * px],
-                Category::Data,
-                Tag::fixed("batch.images"),
-            )?;
-            let o = forward_backward(
+        let loss = trainer
+            .run(
                 &mut model,
                 &pool,
-                &plan,
-                images,
-                &labels[start..start + m],
-                LossOptions {
-                    label_smoothing: 0.0,
-                    window_samples: Some(n),
-                    scale: None,
-                },
-            )?;
-            loss += o.loss * m as f64 / n as f64;
-        }
-        sgd.step(&pool, &mut model)?;
+                &mut sgd,
+                &data.images,
+                (s, s),
+                &labels,
+                i + 1,
+                false,
+            )?
+            .loss;
         let secs = t.elapsed().as_secs_f64();
         let kind = if i < a.warmup { "warm-up" } else { "step" };
         if verbose {

@@ -9,6 +9,7 @@
 
 pub mod adamw;
 pub mod clip;
+pub mod kinds;
 pub mod scaler;
 pub mod schedule;
 
@@ -16,6 +17,7 @@ pub(crate) use crate::ops::optim_update::widen;
 pub use crate::ops::optim_update::{adamw_update, sgd_update};
 pub use adamw::AdamW;
 pub use clip::{clip_grad_norm, clip_grad_norm_slices, grad_norm};
+pub use kinds::{OptimizerKind, ScheduleKind, lr_schedule};
 pub use scaler::{GradScaler, ScalerStep};
 pub use schedule::{LrSchedule, Schedule};
 

@@ -20,7 +20,7 @@ use crate::io::{TensorFile, load_state_dict, save_state_dict_with};
 use crate::memory::Pool;
 use crate::nn::{BnPolicy, Precision, ResNet, StemKind};
 use crate::optim::{GradScaler, Optimizer};
-use crate::setup::{OptimizerKind, ScheduleKind};
+use crate::optim::{OptimizerKind, ScheduleKind};
 
 /// Bumped whenever the layout changes; older files are refused.
 pub const FORMAT_VERSION: &str = "1";
