@@ -60,22 +60,24 @@ pub enum Error {
     Output(std::io::Error),
 
     // === Interruption ===
-    #[error("interrupted after optimizer step {step}; {}", match checkpoint {
+    #[error("interrupted after optimizer step {step}; {}", match saved_state {
         Some(p) => format!("resume with --resume {p}"),
         None => "no --save-dir was given, so nothing was saved".to_string(),
     })]
     Interrupted {
         step: usize,
-        checkpoint: Option<String>,
+        /// The training state file saved on the way out.
+        saved_state: Option<String>,
     },
 
-    /// A checkpoint could not be written. Training stops: going on would
+    /// A training state file (a "checkpoint" in messages and flags) could
+    /// not be written. Training stops: going on would
     /// leave the run unprotected without anyone noticing.
     #[error(
         "{path}: cannot save the checkpoint: {reason}; training stopped. {}",
         last_good_sentence(last_good)
     )]
-    CheckpointWrite {
+    StateWrite {
         path: String,
         reason: String,
         /// The newest checkpoint still on disk (untouched by the failure).

@@ -11,7 +11,7 @@ use memfit::data::SyntheticGratings;
 use memfit::memory::Pool;
 use memfit::nn::{BlockKind, Precision, ResNet, ResNetConfig, StateSlot};
 use memfit::optim::{AdamW, GradScaler, LrSchedule, Optimizer, Schedule, Sgd};
-use memfit::train::checkpoint::{list_checkpoints, load_checkpoint};
+use memfit::train::state::{list_states, load_state};
 use memfit::train::{TrainOptions, fit};
 
 fn config(precision: Precision) -> ResNetConfig {
@@ -50,7 +50,7 @@ fn options(dir: &Path, max_steps: usize, resume_step: usize, f16: bool) -> Train
         save_dir: Some(dir.to_path_buf()),
         save_every_steps: Some(1),
         save_every_epochs: None,
-        keep_checkpoints: 100,
+        keep_states: 100,
         fingerprint: "test=1".into(),
         resume_step,
         stop: None,
@@ -114,7 +114,7 @@ fn a_resumed_run_is_bit_identical_to_an_uninterrupted_one() {
         )
         .unwrap();
         let want = state(&mut model, &opt);
-        assert_eq!(list_checkpoints(&full_dir).unwrap().len(), 12);
+        assert_eq!(list_states(&full_dir).unwrap().len(), 12);
         // Stop after step k (mid-epoch, at an epoch end, right after the
         // injected inf), then resume from that checkpoint to step 12.
         for k in [3, 5, 7] {
@@ -129,7 +129,7 @@ fn a_resumed_run_is_bit_identical_to_an_uninterrupted_one() {
             .unwrap();
             let mut opt = optimizer(adamw);
             let ckpt = full_dir.join(format!("ckpt-{k:08}.safetensors"));
-            let r = load_checkpoint(&ckpt, &pool, &mut model, &mut opt, "test=1").unwrap();
+            let r = load_state(&ckpt, &pool, &mut model, &mut opt, "test=1").unwrap();
             assert_eq!(r.step, k);
             let dir = temp(&format!("part{k}"));
             let mut o = options(&dir, 12, k, f16);
@@ -161,13 +161,13 @@ fn an_incompatible_checkpoint_is_refused_naming_the_difference() {
     let mut o = options(&dir, 2, 0, false);
     o.fingerprint = "model=resnet18; lr=0.05".into();
     fit(&mut model, &pool, &mut opt, &data, &data, &o, |_| {}).unwrap();
-    let err = load_checkpoint(&dir, &pool, &mut model, &mut opt, "model=resnet18; lr=0.1")
+    let err = load_state(&dir, &pool, &mut model, &mut opt, "model=resnet18; lr=0.1")
         .unwrap_err()
         .to_string();
     assert!(err.contains("lr: checkpoint 0.05, now 0.1"), "{err}");
     // Retention: only the newest `keep` stay.
     let mut o = options(&dir, 4, 0, false);
-    o.keep_checkpoints = 2;
+    o.keep_states = 2;
     let mut model = ResNet::new(&pool, config(Precision::F32)).unwrap();
     fit(
         &mut model,
@@ -179,16 +179,12 @@ fn an_incompatible_checkpoint_is_refused_naming_the_difference() {
         |_| {},
     )
     .unwrap();
-    let steps: Vec<usize> = list_checkpoints(&dir)
-        .unwrap()
-        .iter()
-        .map(|c| c.0)
-        .collect();
+    let steps: Vec<usize> = list_states(&dir).unwrap().iter().map(|c| c.0).collect();
     assert_eq!(steps, vec![3, 4]);
     // A weights file is not a checkpoint.
     let weights = dir.join("w.safetensors");
     memfit::io::save_state_dict(&mut model, &weights).unwrap();
-    let err = load_checkpoint(&weights, &pool, &mut model, &mut optimizer(false), "x")
+    let err = load_state(&weights, &pool, &mut model, &mut optimizer(false), "x")
         .unwrap_err()
         .to_string();
     assert!(err.contains("not a training checkpoint"), "{err}");
@@ -213,11 +209,11 @@ fn a_stop_request_saves_the_current_step_and_says_how_to_resume() {
     match &err {
         memfit::Error::Interrupted {
             step: 1,
-            checkpoint: Some(p),
+            saved_state: Some(p),
         } => assert!(p.ends_with("ckpt-00000001.safetensors"), "{p}"),
         other => panic!("expected an interruption after step 1, got {other}"),
     }
     assert!(err.to_string().contains("resume with --resume"), "{err}");
-    assert_eq!(list_checkpoints(&dir).unwrap().len(), 1);
+    assert_eq!(list_states(&dir).unwrap().len(), 1);
     let _ = std::fs::remove_dir_all(&dir);
 }

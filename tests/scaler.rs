@@ -38,7 +38,7 @@ fn options(steps: usize, inject: Vec<usize>, metrics: Option<std::path::PathBuf>
         save_dir: None,
         save_every_steps: None,
         save_every_epochs: None,
-        keep_checkpoints: 1,
+        keep_states: 1,
         fingerprint: String::new(),
         resume_step: 0,
         stop: None,

@@ -25,9 +25,7 @@ use memfit::setup::{
     self, ModelSpec, bf16_emulation_note, check_bn_values, check_output_file, default_base_width,
     head_classes, lr_schedule, parse_precision, requested_micro_batch,
 };
-use memfit::train::checkpoint::{
-    FingerprintInputs, check_save_dir, load_checkpoint, run_fingerprint,
-};
+use memfit::train::state::{FingerprintInputs, check_save_dir, load_state, run_fingerprint};
 use memfit::train::{NanPolicy, TrainOptions, evaluate, fit};
 
 /// Exit status when standard output's reader has gone (`memfit … | head`):
@@ -899,7 +897,7 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
     let mut scaler = scaler;
     let mut resume_step = 0;
     if let Some(from) = &a.resume {
-        let r = load_checkpoint(from, &pool, &mut model, &mut optimizer, &fingerprint)?;
+        let r = load_state(from, &pool, &mut model, &mut optimizer, &fingerprint)?;
         outln!(
             "resuming from {} after optimizer step {}",
             r.path.display(),
@@ -943,7 +941,7 @@ fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
             .or((a.save_every_steps.is_none()).then_some(1)),
         save_dir: a.save_dir.clone(),
         save_every_steps: a.save_every_steps,
-        keep_checkpoints: a.keep_checkpoints,
+        keep_states: a.keep_checkpoints,
         fingerprint,
         resume_step,
         stop: Some(stop),

@@ -4,8 +4,8 @@
 //! evaluation (loss, top-1, top-5), one JSON line per step and per
 //! evaluation in a metrics file.
 
-pub mod checkpoint;
 pub mod metrics;
+pub mod state;
 pub mod step;
 
 use std::path::PathBuf;
@@ -63,14 +63,14 @@ pub struct TrainOptions {
     /// 0 loads each batch on the training thread when it is needed. The
     /// batches are the same for any count.
     pub workers: usize,
-    /// Write training-state checkpoints here (see [`checkpoint`]).
+    /// Write training-state checkpoints here (see [`state`]).
     pub save_dir: Option<PathBuf>,
     /// Save after every this many optimizer steps.
     pub save_every_steps: Option<usize>,
     /// Save after every this many epochs.
     pub save_every_epochs: Option<usize>,
     /// Checkpoints kept in `save_dir` (the newest).
-    pub keep_checkpoints: usize,
+    pub keep_states: usize,
     /// What must match for a checkpoint to resume this run (`key=value; …`).
     pub fingerprint: String,
     /// Optimizer steps already taken by the run being resumed: their
@@ -281,14 +281,14 @@ fn fit_in<'scope, 'env>(
                 optimizer: &Optimizer,
                 step: usize,
                 scaler: Option<&GradScaler>| {
-        checkpoint::save_checkpoint(
+        state::save_state(
             dir,
             model,
             optimizer,
             step,
             scaler,
             &opts.fingerprint,
-            opts.keep_checkpoints,
+            opts.keep_states,
         )
     };
     let loader = Loader {
@@ -351,7 +351,7 @@ fn fit_in<'scope, 'env>(
                         last_good: opts
                             .save_dir
                             .as_deref()
-                            .and_then(checkpoint::newest_checkpoint)
+                            .and_then(state::newest_state)
                             .map(|p| p.display().to_string()),
                     },
                     other => other,
@@ -401,7 +401,7 @@ fn fit_in<'scope, 'env>(
                 .is_some_and(|f| f.load(std::sync::atomic::Ordering::SeqCst))
             {
                 bar.finish_and_clear();
-                let checkpoint = match &opts.save_dir {
+                let saved_state = match &opts.save_dir {
                     Some(dir) => Some(
                         save(dir, model, optimizer, step, trainer.scaler.as_ref())?
                             .display()
@@ -409,7 +409,7 @@ fn fit_in<'scope, 'env>(
                     ),
                     None => None,
                 };
-                return Err(Error::Interrupted { step, checkpoint });
+                return Err(Error::Interrupted { step, saved_state });
             }
             t0 = std::time::Instant::now();
         }

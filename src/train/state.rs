@@ -1,4 +1,7 @@
-//! Training-state checkpoints: one safetensors file per save,
+//! Saved training state (called "checkpoints" in the flags, the messages
+//! and the file names, `--save-dir`, `--keep-checkpoints`, `ckpt-*`; in
+//! the code "state", because `--checkpoint` and `exec`'s checkpoints mean
+//! activation recomputation, as in PyTorch): one safetensors file per save,
 //! `DIR/ckpt-00001234.safetensors` (the optimizer step it was taken after),
 //! holding the state_dict in torchvision's names and layout (so a checkpoint
 //! is also a weights file), the optimizer's buffers (`optimizer.*`), and in
@@ -38,12 +41,12 @@ pub struct Resume {
 }
 
 /// `DIR/ckpt-<step>.safetensors`.
-pub fn checkpoint_path(dir: &Path, step: usize) -> PathBuf {
+pub fn state_path(dir: &Path, step: usize) -> PathBuf {
     dir.join(format!("{PREFIX}{step:08}{SUFFIX}"))
 }
 
 /// The checkpoints in `dir`, oldest first.
-pub fn list_checkpoints(dir: &Path) -> Result<Vec<(usize, PathBuf)>> {
+pub fn list_states(dir: &Path) -> Result<Vec<(usize, PathBuf)>> {
     let entries = std::fs::read_dir(dir).map_err(|e| Error::Io {
         path: dir.display().to_string(),
         reason: e.to_string(),
@@ -64,8 +67,8 @@ pub fn list_checkpoints(dir: &Path) -> Result<Vec<(usize, PathBuf)>> {
 }
 
 /// The newest checkpoint in `dir`, if it holds any.
-pub fn newest_checkpoint(dir: &Path) -> Option<PathBuf> {
-    list_checkpoints(dir).ok()?.pop().map(|(_, p)| p)
+pub fn newest_state(dir: &Path) -> Option<PathBuf> {
+    list_states(dir).ok()?.pop().map(|(_, p)| p)
 }
 
 /// Checks, before training starts, that checkpoints can be written to `dir`
@@ -110,9 +113,9 @@ fn remove_stale_temporaries(dir: &Path) {
 
 /// Writes the state after optimizer step `step` (atomically: a failed write
 /// leaves the previous checkpoints as they were, and the error, an
-/// [`Error::CheckpointWrite`], names the newest of them), then deletes all
+/// [`Error::StateWrite`], names the newest of them), then deletes all
 /// but the newest `keep`.
-pub fn save_checkpoint(
+pub fn save_state(
     dir: &Path,
     model: &mut ResNet,
     optimizer: &Optimizer,
@@ -121,11 +124,11 @@ pub fn save_checkpoint(
     fingerprint: &str,
     keep: usize,
 ) -> Result<PathBuf> {
-    let path = checkpoint_path(dir, step);
-    let failed = |reason: String| Error::CheckpointWrite {
+    let path = state_path(dir, step);
+    let failed = |reason: String| Error::StateWrite {
         path: path.display().to_string(),
         reason,
-        last_good: newest_checkpoint(dir).map(|p| p.display().to_string()),
+        last_good: newest_state(dir).map(|p| p.display().to_string()),
     };
     std::fs::create_dir_all(dir).map_err(|e| {
         failed(format!(
@@ -167,7 +170,7 @@ pub fn save_checkpoint(
         Error::Io { reason, .. } => failed(reason),
         other => other,
     })?;
-    let all = list_checkpoints(dir)?;
+    let all = list_states(dir)?;
     for (_, old) in all.iter().take(all.len().saturating_sub(keep.max(1))) {
         let _ = std::fs::remove_file(old);
     }
@@ -212,7 +215,7 @@ pub struct FingerprintInputs<'a> {
 }
 
 /// The fingerprint saved with every checkpoint and compared by
-/// [`load_checkpoint`]: `key=value` pairs joined by `"; "`. Its text is
+/// [`load_state`]: `key=value` pairs joined by `"; "`. Its text is
 /// fixed: checkpoints saved by earlier versions must still resume, so a
 /// key is never renamed or reformatted (a test pins it).
 pub fn run_fingerprint(f: &FingerprintInputs) -> String {
@@ -279,7 +282,7 @@ fn fingerprint_diff(saved: &str, now: &str) -> Vec<String> {
 /// Loads `from` (a checkpoint file, or a directory: its newest checkpoint)
 /// into `model` and `optimizer`, after checking the format version and that
 /// `fingerprint` matches the one saved (the error names every difference).
-pub fn load_checkpoint(
+pub fn load_state(
     from: &Path,
     pool: &Pool,
     model: &mut ResNet,
@@ -287,7 +290,7 @@ pub fn load_checkpoint(
     fingerprint: &str,
 ) -> Result<Resume> {
     let path = if from.is_dir() {
-        list_checkpoints(from)?
+        list_states(from)?
             .pop()
             .map(|(_, p)| p)
             .ok_or_else(|| Error::Io {
