@@ -53,6 +53,7 @@ fn tiny_config(block: BlockKind, num_classes: usize, seed: u64) -> ResNetConfig 
         seed,
         precision: Precision::F32,
         recompute_bn_relu: false,
+        target: memfit::device::Target::Cpu,
     }
 }
 

@@ -58,6 +58,7 @@ fn two_sgd_steps_on_tiny_resnet_match_pytorch() {
         seed: 0,
         precision: memfit::nn::Precision::F32,
         recompute_bn_relu: false,
+        target: memfit::device::Target::Cpu,
     };
     let pool = Pool::new();
     let mut model = ResNet::new(&pool, config).unwrap();

@@ -257,6 +257,7 @@ fn tiny_resnet_step(name: &str) {
         seed: 0,
         precision: memfit::nn::Precision::F32,
         recompute_bn_relu: false,
+        target: memfit::device::Target::Cpu,
     };
     let pool = Pool::new();
     let mut model = ResNet::new(&pool, config).unwrap();

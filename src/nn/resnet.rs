@@ -3,6 +3,7 @@
 
 use rand::{SeedableRng, rngs::ChaCha8Rng};
 
+use crate::device::Target;
 use crate::error::{Error, Result};
 use crate::memory::Pool;
 use crate::nn::{
@@ -37,6 +38,10 @@ pub struct ResNetConfig {
     /// Recompute every BN+ReLU output in backward instead of keeping it
     /// (the plan option `+bn-relu`).
     pub recompute_bn_relu: bool,
+    /// The device the model trains on. The planner simulates a step on the
+    /// meta device standing for it, so its plans count that device's
+    /// workspaces; a model is built on a pool of this device (or its meta).
+    pub target: Target,
 }
 
 impl ResNetConfig {
@@ -51,6 +56,7 @@ impl ResNetConfig {
             seed: 0,
             precision: Precision::F32,
             recompute_bn_relu: false,
+            target: Target::Cpu,
         }
     }
     pub fn resnet18() -> Self {
@@ -432,6 +438,16 @@ impl ResNet {
             return Err(Error::invalid(
                 "ResNet",
                 format!("degenerate configuration {config:?}"),
+            ));
+        }
+        if pool.device().target() != config.target {
+            return Err(Error::invalid(
+                "ResNet",
+                format!(
+                    "a model for {:?} cannot be built on a {} pool",
+                    config.target,
+                    pool.device().name()
+                ),
             ));
         }
         let mut rng = ChaCha8Rng::seed_from_u64(config.seed);

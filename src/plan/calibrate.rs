@@ -19,6 +19,7 @@
 use std::str::FromStr;
 use std::time::Instant;
 
+use crate::backend;
 use crate::data::SyntheticGratings;
 use crate::error::{Error, Result};
 use crate::memory::{Category, Pool, Tag};
@@ -67,7 +68,7 @@ pub fn stage_forward_seconds(
     if micro_batch == 0 {
         return Err(Error::invalid("plan", "micro-batch must be at least 1"));
     }
-    let pool = Pool::new();
+    let pool = Pool::on(config.target.into());
     pool.set_budget(budget);
     let mut model = ResNet::new(&pool, config.clone())?;
     model.set_bn_policy(bn);
@@ -87,9 +88,13 @@ pub fn stage_forward_seconds(
             Tag::fixed("calibrate.images"),
         )?;
         for (stage, best) in model.stages.iter_mut().zip(&mut best) {
+            // A device that queues kernels must finish the stage before
+            // the clock is read (the CPU runs them as they are called).
+            backend::synchronize(pool.device())?;
             let t = Instant::now();
             let (y, saved) = stage.forward(&pool, x, Mode::Recompute)?;
             drop(saved);
+            backend::synchronize(pool.device())?;
             let seconds = t.elapsed().as_secs_f64();
             if pass > 0 {
                 *best = best.min(seconds);

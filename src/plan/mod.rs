@@ -28,6 +28,7 @@ pub use calibrate::{TimeModel, stage_forward_seconds};
 pub use resolve::{PlanRequest, Resolved, report, resolve};
 pub use strategy::{Strategy, segments_plan, stages_plan};
 
+use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::exec::{LossOptions, Plan, forward_backward, forward_eval};
 use crate::memory::{Category, MemoryStats, Pool, Tag};
@@ -106,7 +107,7 @@ impl CostModel {
         if micro_batch == 0 {
             return Err(Error::invalid("plan", "micro-batch must be at least 1"));
         }
-        let pool = Pool::shapes_only();
+        let pool = Pool::on(Device::Meta(config.target));
         let mut model = ResNet::new(&pool, train_config(config))?;
         model.set_bn_policy(bn);
         model.check_image_size(image_size, image_size)?;
@@ -360,7 +361,7 @@ fn simulate_run(
     image_size: usize,
     eval: bool,
 ) -> Result<MemoryStats> {
-    let pool = Pool::shapes_only();
+    let pool = Pool::on(Device::Meta(config.target));
     let mut model = ResNet::new(&pool, train_config(config))?;
     model.set_bn_policy(bn);
     model.check_image_size(image_size, image_size)?;

@@ -26,6 +26,7 @@ pub fn tiny_config(
         seed: 7,
         precision: Precision::F32,
         recompute_bn_relu: false,
+        target: memfit::device::Target::Cpu,
     }
 }
 
