@@ -143,32 +143,65 @@ impl InMemoryDataset {
 /// frequency, phase, colour, contrast and pixel noise.
 pub struct SyntheticGratings;
 
-impl SyntheticGratings {
-    pub fn generate(len: usize, size: usize, classes: usize, seed: u64) -> InMemoryDataset {
-        let mut r = ChaCha8Rng::seed_from_u64(seed);
-        let mut images = Vec::with_capacity(len * size * size * 3);
-        let mut labels = Vec::with_capacity(len);
-        for _ in 0..len {
-            let class = r.random_range(0..classes);
-            let angle = std::f32::consts::PI * class as f32 / classes as f32;
-            let freq = 2.0 * std::f32::consts::PI * r.random_range(2.0f32..4.0) / size as f32;
-            let phase = r.random::<f32>() * 2.0 * std::f32::consts::PI;
-            let contrast = r.random_range(0.5f32..1.0);
-            let colour: [f32; 3] = [
-                r.random_range(0.3f32..1.0),
-                r.random_range(0.3f32..1.0),
-                r.random_range(0.3f32..1.0),
-            ];
-            let (s, c) = angle.sin_cos();
-            for y in 0..size {
-                for x in 0..size {
-                    let v = contrast * ((x as f32 * c + y as f32 * s) * freq + phase).sin();
-                    for ch in colour {
-                        images.push(v * ch + 0.3 * (r.random::<f32>() * 2.0 - 1.0));
+/// What draws the random numbers of one grating besides its pixel noise.
+#[derive(Clone, Copy, Debug)]
+struct GratingHeader {
+    class: usize,
+    freq: f32,
+    phase: f32,
+    contrast: f32,
+    colour: [f32; 3],
+}
+
+impl GratingHeader {
+    fn draw(r: &mut ChaCha8Rng, size: usize, classes: usize) -> Self {
+        let class = r.random_range(0..classes);
+        let freq = 2.0 * std::f32::consts::PI * r.random_range(2.0f32..4.0) / size as f32;
+        let phase = r.random::<f32>() * 2.0 * std::f32::consts::PI;
+        let contrast = r.random_range(0.5f32..1.0);
+        let colour: [f32; 3] = [
+            r.random_range(0.3f32..1.0),
+            r.random_range(0.3f32..1.0),
+            r.random_range(0.3f32..1.0),
+        ];
+        GratingHeader {
+            class,
+            freq,
+            phase,
+            contrast,
+            colour,
+        }
+    }
+
+    /// Writes the (size, size, 3) image, drawing its noise from `r`.
+    fn render(&self, r: &mut ChaCha8Rng, size: usize, classes: usize, out: &mut [f32]) {
+        let angle = std::f32::consts::PI * self.class as f32 / classes as f32;
+        let (s, c) = angle.sin_cos();
+        let mut px = out.iter_mut();
+        for y in 0..size {
+            for x in 0..size {
+                let v =
+                    self.contrast * ((x as f32 * c + y as f32 * s) * self.freq + self.phase).sin();
+                for ch in self.colour {
+                    if let Some(p) = px.next() {
+                        *p = v * ch + 0.3 * (r.random::<f32>() * 2.0 - 1.0);
                     }
                 }
             }
-            labels.push(class);
+        }
+    }
+}
+
+impl SyntheticGratings {
+    /// `len` gratings of `size`², all in memory.
+    pub fn generate(len: usize, size: usize, classes: usize, seed: u64) -> InMemoryDataset {
+        let mut r = ChaCha8Rng::seed_from_u64(seed);
+        let mut images = vec![0.0; len * size * size * 3];
+        let mut labels = Vec::with_capacity(len);
+        for img in images.chunks_exact_mut(size * size * 3) {
+            let h = GratingHeader::draw(&mut r, size, classes);
+            h.render(&mut r, size, classes, img);
+            labels.push(h.class);
         }
         InMemoryDataset {
             images,
@@ -177,6 +210,104 @@ impl SyntheticGratings {
             w: size,
             classes,
         }
+    }
+
+    /// The same gratings as [`SyntheticGratings::generate`], bit for bit,
+    /// made one by one when the loader asks: a synthetic set of any size
+    /// holds a few dozen bytes per image instead of the images.
+    pub fn on_demand(len: usize, size: usize, classes: usize, seed: u64) -> LazyGratings {
+        let mut r = ChaCha8Rng::seed_from_u64(seed);
+        // Each noise value is one 32-bit word of the stream, so a sample's
+        // noise is skipped by moving the word position past it.
+        let noise_words = (size * size * 3) as u128;
+        let mut samples = Vec::with_capacity(len);
+        for _ in 0..len {
+            let h = GratingHeader::draw(&mut r, size, classes);
+            let noise_at = r.get_word_pos();
+            r.set_word_pos(noise_at + noise_words);
+            samples.push((h, noise_at));
+        }
+        LazyGratings {
+            samples,
+            size,
+            classes,
+            seed,
+        }
+    }
+}
+
+/// Gratings rendered per index on demand ([`SyntheticGratings::on_demand`]).
+pub struct LazyGratings {
+    /// Per sample: its header and where its noise starts in the stream.
+    samples: Vec<(GratingHeader, u128)>,
+    size: usize,
+    classes: usize,
+    seed: u64,
+}
+
+impl Dataset for LazyGratings {
+    fn len(&self) -> usize {
+        self.samples.len()
+    }
+
+    fn classes(&self) -> usize {
+        self.classes
+    }
+
+    fn image_hw(&self) -> (usize, usize) {
+        (self.size, self.size)
+    }
+
+    fn label(&self, i: usize) -> usize {
+        self.samples[i].0.class
+    }
+
+    fn load(&self, i: usize, _epoch: usize, _position: usize, out: &mut [f32]) -> Result<bool> {
+        let px = self.size * self.size * 3;
+        if i >= self.samples.len() || out.len() != px {
+            return Err(Error::invalid(
+                "LazyGratings::load",
+                format!(
+                    "sample {i} of {} into {} values (want {px})",
+                    self.samples.len(),
+                    out.len()
+                ),
+            ));
+        }
+        let (h, noise_at) = self.samples[i];
+        let mut r = ChaCha8Rng::seed_from_u64(self.seed);
+        r.set_word_pos(noise_at);
+        h.render(&mut r, self.size, self.classes, out);
+        Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod synthetic_tests {
+    use super::*;
+
+    #[test]
+    fn on_demand_gratings_are_the_generated_ones_bit_for_bit() {
+        for (len, size, classes, seed) in [(7, 5, 3, 9), (4, 8, 10, 1), (3, 1, 2, 0)] {
+            let all = SyntheticGratings::generate(len, size, classes, seed);
+            let lazy = SyntheticGratings::on_demand(len, size, classes, seed);
+            assert_eq!(lazy.len(), len);
+            // Out of order, as a shuffled epoch asks.
+            for i in (0..len).rev() {
+                let mut out = vec![0.0; size * size * 3];
+                assert!(lazy.load(i, 1, 0, &mut out).unwrap());
+                let want = all.image(i);
+                let same = out
+                    .iter()
+                    .zip(want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "sample {i} of ({len}, {size}, {classes}, {seed})");
+                assert_eq!(lazy.label(i), all.labels[i]);
+            }
+        }
+        let lazy = SyntheticGratings::on_demand(2, 4, 2, 0);
+        assert!(lazy.load(2, 1, 0, &mut [0.0; 48]).is_err());
+        assert!(lazy.load(0, 1, 0, &mut [0.0; 5]).is_err());
     }
 }
 

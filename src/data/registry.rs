@@ -76,20 +76,27 @@ pub fn load_data(a: &DataOptions, seed: u64) -> Result<Data> {
             if a.classes < 2 {
                 return Err(Error::Usage("--classes must be at least 2".into()));
             }
+            // Made per index when the loader asks (the same images as
+            // generating them all): the set costs no memory.
             let size = a.image_size.unwrap_or(32);
-            let t = SyntheticGratings::generate(
+            let train = SyntheticGratings::on_demand(
                 a.train_size,
                 size,
                 a.classes,
                 seed.wrapping_mul(2).wrapping_add(1),
             );
-            let v = SyntheticGratings::generate(
+            let val = SyntheticGratings::on_demand(
                 a.val_size,
                 size,
                 a.classes,
                 seed.wrapping_mul(2).wrapping_add(2),
             );
-            (t, v, size)
+            return Ok(Data {
+                train: Box::new(train),
+                val: Box::new(val),
+                size,
+                workers: 0,
+            });
         }
     };
     let size = a.image_size.unwrap_or(native);
