@@ -14,8 +14,12 @@ use memfit::Error;
 use memfit::backend::cuda::{CI_ARCHS, KERNEL_SOURCES, compile, kernel_names};
 use memfit::device::cuda::Library;
 
+#[cfg(not(feature = "cuda-12"))]
 const SKIP: &str = "skipped: NVRTC not found (pip install \"nvidia-cuda-nvrtc>=13,<14\" and put \
                     site-packages/nvidia/cu13/lib on LD_LIBRARY_PATH)";
+#[cfg(feature = "cuda-12")]
+const SKIP: &str = "skipped: NVRTC not found (pip install \"nvidia-cuda-nvrtc-cu12>=12.8,<12.9\" \
+                    and put site-packages/nvidia/cuda_nvrtc/lib on LD_LIBRARY_PATH)";
 
 /// Whether NVRTC can be loaded; if not, says so and passes, or fails when
 /// `MEMFIT_REQUIRE_NVRTC=1`.

@@ -90,7 +90,7 @@ impl Library {
                      --features cuda-12"
                         .to_string()
                 } else {
-                    "install the NVIDIA driver (525 or newer for CUDA 12)".to_string()
+                    "install the NVIDIA driver (570 or newer for CUDA 12.8)".to_string()
                 },
             ),
             Library::Nvrtc => (
@@ -215,7 +215,7 @@ fn query_device(ordinal: usize) -> Result<CudaInfo, Missing> {
             hint: format!(
                 "check nvidia-smi: the driver or the GPU is not usable (CUDA {CUDA_MAJOR} needs \
                  driver {} or newer)",
-                if CUDA_MAJOR >= 13 { 580 } else { 525 }
+                if CUDA_MAJOR >= 13 { 580 } else { 570 }
             ),
         }
     };

@@ -36,9 +36,13 @@ pub const KERNEL_SOURCES: &[(&str, &str)] = &[
 ];
 
 /// The virtual architectures CI compiles for: Turing (the oldest CUDA 13
-/// supports) and Hopper (the H200 the GPU checks run on). PTX for an older
+/// supports) and Hopper (the H200 the GPU checks run on); the CUDA 12
+/// build adds Pascal (`compute_61`, the GTX 1050 Ti). PTX for an older
 /// architecture runs on every newer GPU (the driver JIT-compiles it).
+#[cfg(not(feature = "cuda-12"))]
 pub const CI_ARCHS: &[&str] = &["compute_75", "compute_90"];
+#[cfg(feature = "cuda-12")]
+pub const CI_ARCHS: &[&str] = &["compute_61", "compute_75", "compute_90"];
 
 /// The names of the `extern "C" __global__` kernels in a source, in order:
 /// what a module built from it exports.
