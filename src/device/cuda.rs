@@ -16,6 +16,8 @@
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
+// With both features, cudarc fails to compile first (its CUDA 12 and 13
+// bindings conflict); this names the cause should cudarc ever accept both.
 #[cfg(all(feature = "cuda", feature = "cuda-12"))]
 compile_error!(
     "features `cuda` (CUDA 13) and `cuda-12` (CUDA 12.8) exclude each other: turn on one of them"
