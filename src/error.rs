@@ -59,6 +59,19 @@ pub enum Error {
     #[error("writing the output: {0}")]
     Output(std::io::Error),
 
+    // === Devices ===
+    /// A CUDA library, driver or device is missing (or the build has no
+    /// CUDA). `what` names it; `hint` says how to get it.
+    #[error("{what}: {hint}")]
+    CudaUnavailable { what: String, hint: String },
+    /// NVRTC rejected a kernel source; `log` is its compiler log.
+    #[error("NVRTC could not compile kernel source {kernel} for {arch}:\n{log}")]
+    KernelCompile {
+        kernel: String,
+        arch: String,
+        log: String,
+    },
+
     // === Interruption ===
     #[error("interrupted after optimizer step {step}; {}", match saved_state {
         Some(p) => format!("resume with --resume {p}"),
@@ -105,6 +118,16 @@ fn last_good_sentence(last_good: &Option<String>) -> String {
     match last_good {
         Some(p) => format!("The last good checkpoint is {p} (resume with --resume {p})"),
         None => "No checkpoint was saved before this point".to_string(),
+    }
+}
+
+#[cfg(any(feature = "cuda", feature = "cuda-12"))]
+impl From<crate::device::cuda::Missing> for Error {
+    fn from(m: crate::device::cuda::Missing) -> Self {
+        Error::CudaUnavailable {
+            what: m.what,
+            hint: m.hint,
+        }
     }
 }
 

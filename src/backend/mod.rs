@@ -21,6 +21,9 @@
 //! synchronises with the host.
 
 mod cpu;
+/// CUDA kernel sources and their NVRTC compilation (not yet a dispatch arm).
+#[cfg(any(feature = "cuda", feature = "cuda-12"))]
+pub mod cuda;
 
 use crate::device::{Capabilities, Device};
 use crate::error::{Error, Result};

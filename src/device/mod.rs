@@ -9,6 +9,9 @@
 //! tensors, pools or models.
 
 pub mod cpu;
+/// The CUDA probe (which libraries load, which GPU is there).
+#[cfg(any(feature = "cuda", feature = "cuda-12"))]
+pub mod cuda;
 
 /// A device that holds real storage and runs kernels. The meta device
 /// stands in for one of these.

@@ -1,0 +1,92 @@
+//! The CUDA backend's own kernels, as NVRTC sources, and their compilation
+//! to PTX. Built only with the `cuda` (CUDA 13) or `cuda-12` feature.
+//!
+//! Convolutions go to cuDNN and matmuls to cuBLAS(Lt); everything else the
+//! boundary asks for is one of the small kernels under `kernels/`, one
+//! `.cu` file per op family, each kernel mirroring a CPU kernel in
+//! `crate::ops` (or the CPU backend's glue) and saying which, and where its
+//! numerics differ. Nothing here launches a kernel yet: this module only
+//! holds the sources and compiles them (a test compiles every source for
+//! `compute_75` and `compute_90` in CI, on machines without a GPU).
+//!
+//! Numerics: the sources are compiled with `--fmad=false` (no contraction
+//! of `a * b + c` into one fused multiply-add, which Rust does not do
+//! either), IEEE division and square root, and no flush-to-zero, so the
+//! elementwise kernels give the CPU's bits and the reductions differ only
+//! where their comments say.
+
+use cudarc::nvrtc::{CompileError, CompileOptions, Ptx, compile_ptx_with_opts};
+
+use crate::device::cuda::Library;
+use crate::error::{Error, Result};
+
+/// Prepended to every source: 16-bit types, conversions, rounding modes.
+pub const COMMON: &str = include_str!("kernels/common.cuh");
+
+/// Every kernel source by name (the name is its file under `kernels/`
+/// without `.cu`). Compile one with [`compile`]; each becomes one module.
+pub const KERNEL_SOURCES: &[(&str, &str)] = &[
+    ("batchnorm", include_str!("kernels/batchnorm.cu")),
+    ("relu", include_str!("kernels/relu.cu")),
+    ("pool", include_str!("kernels/pool.cu")),
+    ("loss", include_str!("kernels/loss.cu")),
+    ("cast", include_str!("kernels/cast.cu")),
+    ("optim", include_str!("kernels/optim.cu")),
+    ("reduce", include_str!("kernels/reduce.cu")),
+];
+
+/// The virtual architectures CI compiles for: Turing (the oldest CUDA 13
+/// supports) and Hopper (the H200 the GPU checks run on); the CUDA 12
+/// build adds Pascal (`compute_61`, the GTX 1050 Ti). PTX for an older
+/// architecture runs on every newer GPU (the driver JIT-compiles it).
+#[cfg(not(feature = "cuda-12"))]
+pub const CI_ARCHS: &[&str] = &["compute_75", "compute_90"];
+#[cfg(feature = "cuda-12")]
+pub const CI_ARCHS: &[&str] = &["compute_61", "compute_75", "compute_90"];
+
+/// The names of the `extern "C" __global__` kernels in a source, in order:
+/// what a module built from it exports.
+pub fn kernel_names(source: &str) -> Vec<&str> {
+    let mut names = Vec::new();
+    for (i, _) in source.match_indices("extern \"C\" __global__ void ") {
+        let rest = &source[i + "extern \"C\" __global__ void ".len()..];
+        let end = rest.find('(').unwrap_or(rest.len());
+        names.push(rest[..end].trim());
+    }
+    names
+}
+
+/// The options every kernel is compiled with (see the module doc).
+fn options(name: &str, arch: &'static str) -> CompileOptions {
+    CompileOptions {
+        ftz: Some(false),
+        prec_sqrt: Some(true),
+        prec_div: Some(true),
+        fmad: Some(false),
+        arch: Some(arch),
+        name: Some(format!("{name}.cu")),
+        ..Default::default()
+    }
+}
+
+/// Compiles kernel source `name` (its body, without [`COMMON`], which is
+/// prepended here) to PTX for the virtual architecture `arch`, e.g.
+/// `"compute_75"`. NVRTC missing is `Error::CudaUnavailable` naming it; a
+/// source NVRTC rejects is `Error::KernelCompile` with NVRTC's log.
+pub fn compile(name: &str, source: &str, arch: &'static str) -> Result<Ptx> {
+    if !Library::Nvrtc.is_present() {
+        return Err(Library::Nvrtc.missing().into());
+    }
+    let full = format!("{COMMON}\n{source}");
+    compile_ptx_with_opts(full, options(name, arch)).map_err(|e| {
+        let log = match e {
+            CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
+            other => format!("{other:?}"),
+        };
+        Error::KernelCompile {
+            kernel: name.to_string(),
+            arch: arch.to_string(),
+            log,
+        }
+    })
+}
