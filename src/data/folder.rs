@@ -11,8 +11,12 @@
 //!   sorted order of their full path and files by name within each, which
 //!   is the order of `sorted(os.walk(...))`;
 //! - files count when their extension is `.jpg`, `.jpeg` or `.png`, in any
-//!   case (torchvision also takes .bmp, .gif, .webp, ..., which we cannot
-//!   decode);
+//!   case. torchvision also takes .bmp, .gif, .webp, .tif/.tiff, .ppm,
+//!   .pgm and .pbm, which memfit cannot decode: those are left out with a
+//!   warning and counted ([`ImageFolder::left_out`]), never silently;
+//! - an entry that is neither a directory nor a regular file (a FIFO,
+//!   socket or device, whatever its name) is never opened: reading a FIFO
+//!   would block the run for good. It is left out with a warning too;
 //! - no class folder, or a class folder without images, is an error.
 //!
 //! One deliberate difference: names starting with `.` (folders and files)
@@ -31,6 +35,18 @@ use crate::error::{Error, Result};
 /// Extensions (lower case, no dot) of the files a class folder contributes.
 pub const IMAGE_EXTENSIONS: [&str; 3] = ["jpg", "jpeg", "png"];
 
+/// torchvision's other image extensions (`IMG_EXTENSIONS`), which memfit
+/// cannot decode: such files are left out with a warning.
+pub const UNSUPPORTED_IMAGE_EXTENSIONS: [&str; 7] =
+    ["bmp", "gif", "webp", "tif", "tiff", "ppm", "pgm"];
+
+/// A file the scan left out, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeftOut {
+    pub path: PathBuf,
+    pub reason: &'static str,
+}
+
 /// One image: where it is and its class index.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Sample {
@@ -46,6 +62,9 @@ pub struct ImageFolder {
     /// Sorted class names; `classes[label]`.
     pub classes: Vec<String>,
     pub samples: Vec<Sample>,
+    /// Files that look like images but that the scan left out (formats
+    /// memfit cannot decode, entries that are not regular files).
+    pub left_out: Vec<LeftOut>,
     skipped: AtomicUsize,
 }
 
@@ -55,6 +74,7 @@ impl Clone for ImageFolder {
             root: self.root.clone(),
             classes: self.classes.clone(),
             samples: self.samples.clone(),
+            left_out: self.left_out.clone(),
             skipped: AtomicUsize::new(self.skipped()),
         }
     }
@@ -71,16 +91,30 @@ fn is_hidden(name: &OsString) -> bool {
     name.as_encoded_bytes().first() == Some(&b'.')
 }
 
-fn is_image(name: &OsString) -> bool {
+fn has_extension(name: &OsString, extensions: &[&str]) -> bool {
     let name = name.to_string_lossy().to_lowercase();
-    IMAGE_EXTENSIONS
+    extensions
         .iter()
         .any(|ext| name.len() > ext.len() + 1 && name.ends_with(&format!(".{ext}")))
 }
 
-/// The visible entries of `dir` as (name, is_dir), symlinks followed;
-/// entries whose target cannot be read (dangling links) count as files.
-fn list(dir: &Path) -> Result<Vec<(OsString, bool)>> {
+fn is_image(name: &OsString) -> bool {
+    has_extension(name, &IMAGE_EXTENSIONS)
+}
+
+/// What a directory entry is, symlinks followed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Dir,
+    /// A regular file, or an entry whose target cannot be read (a dangling
+    /// link: decoding it fails with a warning like any unreadable file).
+    File,
+    /// A FIFO, socket or device: never opened.
+    Special,
+}
+
+/// The visible entries of `dir` as (name, kind), symlinks followed.
+fn list(dir: &Path) -> Result<Vec<(OsString, Kind)>> {
     let mut out = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(|e| io_err(dir, e))? {
         let entry = entry.map_err(|e| io_err(dir, e))?;
@@ -88,14 +122,19 @@ fn list(dir: &Path) -> Result<Vec<(OsString, bool)>> {
         if is_hidden(&name) {
             continue;
         }
-        let is_dir = std::fs::metadata(entry.path()).is_ok_and(|m| m.is_dir());
-        out.push((name, is_dir));
+        let kind = match std::fs::metadata(entry.path()) {
+            Ok(m) if m.is_dir() => Kind::Dir,
+            Ok(m) if !m.is_file() => Kind::Special,
+            _ => Kind::File,
+        };
+        out.push((name, kind));
     }
     Ok(out)
 }
 
-/// Image files under `class_dir` in `sorted(os.walk(class_dir))` order.
-fn walk_class(class_dir: &Path) -> Result<Vec<PathBuf>> {
+/// Image files under `class_dir` in `sorted(os.walk(class_dir))` order;
+/// what looks like an image but cannot be read is added to `left_out`.
+fn walk_class(class_dir: &Path, left_out: &mut Vec<LeftOut>) -> Result<Vec<PathBuf>> {
     // (folder, its image files sorted by name), gathered depth-first, then
     // ordered by the folder's full path as os.walk's sort does.
     let mut folders: Vec<(PathBuf, Vec<OsString>)> = Vec::new();
@@ -107,11 +146,20 @@ fn walk_class(class_dir: &Path) -> Result<Vec<PathBuf>> {
             continue;
         }
         let mut files = Vec::new();
-        for (name, is_dir) in list(&dir)? {
-            if is_dir {
-                stack.push(dir.join(&name));
-            } else if is_image(&name) {
-                files.push(name);
+        for (name, kind) in list(&dir)? {
+            let image_like = is_image(&name) || has_extension(&name, &UNSUPPORTED_IMAGE_EXTENSIONS);
+            match kind {
+                Kind::Dir => stack.push(dir.join(&name)),
+                Kind::Special if image_like => left_out.push(LeftOut {
+                    path: dir.join(&name),
+                    reason: "not a regular file (a FIFO, socket or device): never opened",
+                }),
+                Kind::File if is_image(&name) => files.push(name),
+                Kind::File if image_like => left_out.push(LeftOut {
+                    path: dir.join(&name),
+                    reason: "a format memfit cannot decode (only JPEG and PNG)",
+                }),
+                _ => {}
             }
         }
         files.sort();
@@ -145,7 +193,7 @@ impl ImageFolder {
         }
         let mut class_names: Vec<OsString> = list(root)?
             .into_iter()
-            .filter_map(|(name, is_dir)| is_dir.then_some(name))
+            .filter_map(|(name, kind)| (kind == Kind::Dir).then_some(name))
             .collect();
         class_names.sort();
         if class_names.is_empty() {
@@ -156,12 +204,24 @@ impl ImageFolder {
         }
         let mut samples = Vec::new();
         let mut empty = Vec::new();
+        let mut left_out = Vec::new();
         for (label, name) in class_names.iter().enumerate() {
-            let files = walk_class(&root.join(name))?;
+            let files = walk_class(&root.join(name), &mut left_out)?;
             if files.is_empty() {
                 empty.push(name.to_string_lossy().into_owned());
             }
             samples.extend(files.into_iter().map(|path| Sample { path, label }));
+        }
+        left_out.sort_by(|a, b| a.path.cmp(&b.path));
+        for l in &left_out {
+            eprintln!("warning: leaving out {}: {}", l.path.display(), l.reason);
+        }
+        if !left_out.is_empty() {
+            eprintln!(
+                "warning: {} file(s) under {} left out (see above)",
+                left_out.len(),
+                root.display()
+            );
         }
         if !empty.is_empty() {
             return Err(Error::BadData {
@@ -179,6 +239,7 @@ impl ImageFolder {
                 .map(|n| n.to_string_lossy().into_owned())
                 .collect(),
             samples,
+            left_out,
             skipped: AtomicUsize::new(0),
         })
     }
@@ -224,6 +285,7 @@ impl ImageFolder {
                 root: self.root.clone(),
                 classes: self.classes.clone(),
                 samples: idx.iter().map(|&i| self.samples[i].clone()).collect(),
+                left_out: Vec::new(),
                 skipped: AtomicUsize::new(0),
             }
         };

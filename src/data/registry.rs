@@ -53,6 +53,14 @@ pub fn load_data(a: &DataOptions, seed: u64) -> Result<Data> {
     if a.image_size == Some(0) {
         return Err(Error::Usage("--image-size must be at least 1".into()));
     }
+    // The share held out of a training set that has no validation split of
+    // its own (digits, an image folder without --val-data).
+    if !(a.val_fraction.is_finite() && (0.0..1.0).contains(&a.val_fraction)) {
+        return Err(Error::Usage(format!(
+            "--val-fraction must be at least 0 and below 1 (the share of the training images held out for validation), got {}",
+            a.val_fraction
+        )));
+    }
     let builtin = ["digits", "fashion-mnist", "synthetic"].contains(&a.data.as_str());
     if !builtin {
         return load_folders(a, seed);
@@ -113,10 +121,20 @@ pub fn load_data(a: &DataOptions, seed: u64) -> Result<Data> {
 fn load_folders(a: &DataOptions, seed: u64) -> Result<Data> {
     let root = PathBuf::from(&a.data);
     if !root.is_dir() {
-        return Err(Error::Usage(format!(
-            "unknown dataset '{}' (choose digits, fashion-mnist, synthetic or an image folder)",
-            a.data
-        )));
+        let looks_like_a_path = a.data.contains(['/', '\\']) || a.data.starts_with('.');
+        return Err(Error::Usage(if root.exists() {
+            format!(
+                "--data {}: not a directory (an image folder holds one sub-folder per class)",
+                a.data
+            )
+        } else if looks_like_a_path {
+            format!("--data: no such directory: {}", a.data)
+        } else {
+            format!(
+                "unknown dataset '{}' (choose digits, fashion-mnist, synthetic or an image folder; no such directory either)",
+                a.data
+            )
+        }));
     }
     let size = a.image_size.unwrap_or(224);
     let folder = ImageFolder::scan(&root)?;
