@@ -650,13 +650,6 @@ fn run() -> Result<()> {
 }
 
 /// Peak resident set size of this process, from /proc (Linux only).
-fn peak_rss_bytes() -> Option<usize> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kb: usize = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
-}
-
 fn print_memory(stats: &MemoryStats) {
     outln!(
         "tracked peak: {} (reserved now {})",
@@ -672,14 +665,20 @@ fn print_memory(stats: &MemoryStats) {
             fmt_bytes(stats.peak.get(c))
         );
     }
-    if let Some(rss) = peak_rss_bytes() {
+    if let Some(rss) = memfit::memory::process_peak_rss_bytes() {
         outln!("process peak RSS: {}", fmt_bytes(rss));
     }
 }
 
 /// `--memory-budget`'s bytes.
 fn parse_budget(s: Option<&str>) -> Result<Option<usize>> {
-    s.map(parse_bytes).transpose().context("--memory-budget")
+    let budget = s.map(parse_bytes).transpose().context("--memory-budget")?;
+    if let Some(w) = budget
+        .and_then(|b| memfit::memory::budget_warning(b, memfit::memory::physical_memory_bytes()))
+    {
+        eprintln!("warning: {w}");
+    }
+    Ok(budget)
 }
 
 fn bench_step(a: StepArgs) -> Result<()> {

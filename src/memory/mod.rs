@@ -492,6 +492,38 @@ pub fn write_timeline_csv(events: &[Event], path: &std::path::Path) -> Result<()
     w.flush().map_err(io_err)
 }
 
+/// The process's peak resident memory (`VmHWM` of `/proc/self/status`),
+/// reported beside the tracked peak: it includes what the pool cannot see
+/// (the binary, thread stacks, the GEMM's packing buffers, the loader's
+/// batches in flight). `None` where the file does not exist (not Linux).
+pub fn process_peak_rss_bytes() -> Option<usize> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// This machine's physical memory (`MemTotal` of `/proc/meminfo`).
+pub fn physical_memory_bytes() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kb: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// A warning for a budget the machine cannot hold: above its physical
+/// memory, the budget bounds nothing and the run would swap or be killed.
+pub fn budget_warning(budget: usize, physical: Option<usize>) -> Option<String> {
+    let physical = physical?;
+    (budget > physical).then(|| {
+        format!(
+            "--memory-budget {} is more than this machine's physical memory ({}): it will not stop the run from swapping or being killed",
+            fmt_bytes(budget),
+            fmt_bytes(physical)
+        )
+    })
+}
+
 /// Parses a byte size: `4GiB`, `512MB`, `1.5G`, `1048576`. Binary units
 /// (KiB, MiB, GiB, TiB; K, M, G, T alone are binary too) and decimal ones
 /// (KB, MB, GB, TB).
@@ -530,6 +562,20 @@ pub fn parse_bytes(s: &str) -> Result<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_budget_above_physical_memory_is_warned_about() {
+        let gib = 1 << 30;
+        let w = budget_warning(64 * gib, Some(16 * gib)).expect("a warning");
+        assert!(w.contains("64.00 GiB") && w.contains("16.00 GiB"), "{w}");
+        assert_eq!(budget_warning(8 * gib, Some(16 * gib)), None);
+        assert_eq!(budget_warning(8 * gib, None), None);
+        // On Linux both readings exist and are plausible.
+        if cfg!(target_os = "linux") {
+            assert!(physical_memory_bytes().is_some_and(|b| b > 1 << 20));
+            assert!(process_peak_rss_bytes().is_some_and(|b| b > 0));
+        }
+    }
 
     #[test]
     fn parses_sizes_and_rejects_nonsense() {
