@@ -11,7 +11,7 @@ use memfit::data::SyntheticGratings;
 use memfit::memory::Pool;
 use memfit::nn::{BlockKind, Precision, ResNet, ResNetConfig, StateSlot};
 use memfit::optim::{AdamW, GradScaler, LrSchedule, Optimizer, Schedule, Sgd};
-use memfit::train::state::{list_states, load_state};
+use memfit::train::state::{StateSaving, list_states, load_state};
 use memfit::train::{TrainOptions, fit};
 
 fn config(precision: Precision) -> ResNetConfig {
@@ -47,12 +47,17 @@ fn options(dir: &Path, max_steps: usize, resume_step: usize, f16: bool) -> Train
         inject_inf_steps: if f16 { vec![3] } else { vec![] },
         workers: 0,
         nan_policy: memfit::train::NanPolicy::Stop,
-        save_dir: Some(dir.to_path_buf()),
-        save_every_steps: Some(1),
-        save_every_epochs: None,
-        keep_states: 100,
-        fingerprint: "test=1".into(),
+        saving: Some(StateSaving {
+            dir: dir.to_path_buf(),
+            every_steps: Some(1),
+            every_epochs: None,
+            keep: 100,
+            fingerprint: "test=1".into(),
+            run_id: "test-run".into(),
+            metadata: Default::default(),
+        }),
         resume_step,
+        resume_sums: None,
         stop: None,
     }
 }
@@ -159,7 +164,7 @@ fn an_incompatible_checkpoint_is_refused_naming_the_difference() {
     let mut model = ResNet::new(&pool, config(Precision::F32)).unwrap();
     let mut opt = optimizer(false);
     let mut o = options(&dir, 2, 0, false);
-    o.fingerprint = "model=resnet18; lr=0.05".into();
+    o.saving.as_mut().unwrap().fingerprint = "model=resnet18; lr=0.05".into();
     fit(&mut model, &pool, &mut opt, &data, &data, &o, |_| {}).unwrap();
     let err = load_state(&dir, &pool, &mut model, &mut opt, "model=resnet18; lr=0.1")
         .unwrap_err()
@@ -167,7 +172,7 @@ fn an_incompatible_checkpoint_is_refused_naming_the_difference() {
     assert!(err.contains("lr: checkpoint 0.05, now 0.1"), "{err}");
     // Retention: only the newest `keep` stay.
     let mut o = options(&dir, 4, 0, false);
-    o.keep_states = 2;
+    o.saving.as_mut().unwrap().keep = 2;
     let mut model = ResNet::new(&pool, config(Precision::F32)).unwrap();
     fit(
         &mut model,
@@ -201,7 +206,7 @@ fn a_stop_request_saves_the_current_step_and_says_how_to_resume() {
     let mut model = ResNet::new(&pool, config(Precision::F32)).unwrap();
     let mut opt = optimizer(false);
     let mut o = options(&dir, 6, 0, false);
-    o.save_every_steps = None;
+    o.saving.as_mut().unwrap().every_steps = None;
     o.stop = Some(std::sync::Arc::new(std::sync::atomic::AtomicBool::new(
         true,
     )));
