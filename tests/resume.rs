@@ -222,3 +222,66 @@ fn a_stop_request_saves_the_current_step_and_says_how_to_resume() {
     assert_eq!(list_states(&dir).unwrap().len(), 1);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A run writes and deletes only its own state files: a file of another
+/// run at the same step is not overwritten (the save fails, naming it),
+/// and clean-up (`keep`) leaves other runs' files alone.
+#[test]
+fn a_run_never_overwrites_or_deletes_another_runs_state_files() {
+    let dir = temp("owners");
+    let data = SyntheticGratings::generate(10, 16, 3, 5);
+    let pool = Pool::new();
+    let mut model = ResNet::new(&pool, config(Precision::F32)).unwrap();
+    fit(
+        &mut model,
+        &pool,
+        &mut optimizer(false),
+        &data,
+        &data,
+        &options(&dir, 2, 0, false),
+        |_| {},
+    )
+    .unwrap();
+    let before: Vec<Vec<u8>> = list_states(&dir)
+        .unwrap()
+        .iter()
+        .map(|(_, p)| std::fs::read(p).unwrap())
+        .collect();
+    assert_eq!(before.len(), 2);
+    let other = |max_steps, resume_step| {
+        let mut o = options(&dir, max_steps, resume_step, false);
+        let s = o.saving.as_mut().unwrap();
+        s.run_id = "other-run".into();
+        s.keep = 1;
+        o
+    };
+    let err = fit(
+        &mut model,
+        &pool,
+        &mut optimizer(false),
+        &data,
+        &data,
+        &other(4, 0),
+        |_| {},
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("belongs to another run (test-run)"), "{err}");
+    // Steps 3 and 4 of the other run, keeping 1 of its own.
+    fit(
+        &mut model,
+        &pool,
+        &mut optimizer(false),
+        &data,
+        &data,
+        &other(4, 2),
+        |_| {},
+    )
+    .unwrap();
+    let steps: Vec<usize> = list_states(&dir).unwrap().iter().map(|c| c.0).collect();
+    assert_eq!(steps, vec![1, 2, 4]);
+    for (i, (_, p)) in list_states(&dir).unwrap().iter().take(2).enumerate() {
+        assert_eq!(std::fs::read(p).unwrap(), before[i], "{}", p.display());
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -479,7 +479,9 @@ struct TrainArgs {
     /// Append one JSON object per optimizer step and per evaluation.
     #[arg(long)]
     metrics_jsonl: Option<PathBuf>,
-    /// Start from a torchvision-layout state_dict (.safetensors).
+    /// Start from a torchvision-layout state_dict (.safetensors), memfit's
+    /// saved weights or a checkpoint; --model, --base-width and --stem
+    /// default to those the file's metadata names.
     #[arg(long)]
     init: Option<PathBuf>,
     /// With --init: keep a fresh fc for this dataset's classes.
@@ -489,8 +491,9 @@ struct TrainArgs {
     #[arg(long)]
     save_weights: Option<PathBuf>,
     /// Write training-state checkpoints (weights, optimizer state, loss
-    /// scaler, step) to this directory: after every --save-every-steps /
-    /// --save-every-epochs, at the end, and on Ctrl-C / SIGTERM.
+    /// scaler, step, the run's flags) to this directory: after every
+    /// --save-every-steps / --save-every-epochs, at the end, and on Ctrl-C /
+    /// SIGTERM. A directory holding another run's checkpoints is refused.
     #[arg(long)]
     save_dir: Option<PathBuf>,
     #[arg(long)]
@@ -507,7 +510,12 @@ struct TrainArgs {
     #[arg(long, value_enum, default_value = "stop")]
     nan_policy: NanPolicyArg,
     /// Continue a run from a checkpoint file or the newest one in a
-    /// directory; every other flag must match the original run.
+    /// directory (which must hold one run's). The run's flags are saved in
+    /// its checkpoints: flags not given are taken from there, and a flag
+    /// given with another value is refused unless changing it is safe
+    /// (--epochs, --steps, --workers, --eval-every, --metrics-jsonl,
+    /// --save-*, --keep-checkpoints, --memory-budget, --checkpoint,
+    /// --time-model, --nan-policy, --memory-trace).
     #[arg(long)]
     resume: Option<PathBuf>,
     #[command(flatten)]
@@ -531,7 +539,10 @@ struct EvalArgs {
     /// (conv 3x3 stride 1, no max pool: for 28x28 / 32x32 images).
     #[arg(long, value_enum, default_value = "imagenet")]
     stem: StemArg,
-    /// Weights to evaluate (torchvision layout, .safetensors).
+    /// Weights to evaluate (torchvision layout, .safetensors; memfit's
+    /// weights and checkpoints name their model, width, stem and classes,
+    /// so those flags are not needed, and an image folder's classes are
+    /// matched to the model's by name).
     #[arg(long)]
     weights: PathBuf,
     #[command(flatten)]
