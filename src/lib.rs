@@ -6,7 +6,8 @@
 //! [`nn`] (stages of the ResNet chain), [`exec`] (runs the chain under a
 //! plan), [`optim`]. Beside them: [`setup`] (the model a command builds
 //! from its flags, and the checks before a run), [`bench`] (the
-//! benchmarks behind `memfit bench`) and [`data::registry`] (datasets by
+//! benchmarks behind `memfit bench`), [`run`] (the `train`, `plan` and
+//! `eval` commands as calls) and [`data::registry`] (datasets by
 //! name).
 
 pub mod accounting;
@@ -24,6 +25,7 @@ pub mod ops;
 pub mod optim;
 pub mod plan;
 pub mod profile;
+pub mod run;
 pub mod setup;
 pub mod tensor;
 pub mod train;

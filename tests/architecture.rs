@@ -27,6 +27,7 @@ const RANKS: &[(&str, u32)] = &[
     ("train", 8),
     ("setup", 9),
     ("bench", 10),
+    ("run", 10),
 ];
 
 /// Names the crate root re-exports, and the module they come from.

@@ -11,7 +11,7 @@ use memfit::data::SyntheticGratings;
 use memfit::memory::Pool;
 use memfit::nn::{BlockKind, Precision, ResNet, ResNetConfig, StateSlot};
 use memfit::optim::{AdamW, GradScaler, LrSchedule, Optimizer, Schedule, Sgd};
-use memfit::train::state::{list_states, load_state};
+use memfit::train::state::{StateSaving, list_states, load_state};
 use memfit::train::{TrainOptions, fit};
 
 fn config(precision: Precision) -> ResNetConfig {
@@ -47,12 +47,17 @@ fn options(dir: &Path, max_steps: usize, resume_step: usize, f16: bool) -> Train
         inject_inf_steps: if f16 { vec![3] } else { vec![] },
         workers: 0,
         nan_policy: memfit::train::NanPolicy::Stop,
-        save_dir: Some(dir.to_path_buf()),
-        save_every_steps: Some(1),
-        save_every_epochs: None,
-        keep_states: 100,
-        fingerprint: "test=1".into(),
+        saving: Some(StateSaving {
+            dir: dir.to_path_buf(),
+            every_steps: Some(1),
+            every_epochs: None,
+            keep: 100,
+            fingerprint: "test=1".into(),
+            run_id: "test-run".into(),
+            metadata: Default::default(),
+        }),
         resume_step,
+        resume_sums: None,
         stop: None,
     }
 }
@@ -159,7 +164,7 @@ fn an_incompatible_checkpoint_is_refused_naming_the_difference() {
     let mut model = ResNet::new(&pool, config(Precision::F32)).unwrap();
     let mut opt = optimizer(false);
     let mut o = options(&dir, 2, 0, false);
-    o.fingerprint = "model=resnet18; lr=0.05".into();
+    o.saving.as_mut().unwrap().fingerprint = "model=resnet18; lr=0.05".into();
     fit(&mut model, &pool, &mut opt, &data, &data, &o, |_| {}).unwrap();
     let err = load_state(&dir, &pool, &mut model, &mut opt, "model=resnet18; lr=0.1")
         .unwrap_err()
@@ -167,7 +172,7 @@ fn an_incompatible_checkpoint_is_refused_naming_the_difference() {
     assert!(err.contains("lr: checkpoint 0.05, now 0.1"), "{err}");
     // Retention: only the newest `keep` stay.
     let mut o = options(&dir, 4, 0, false);
-    o.keep_states = 2;
+    o.saving.as_mut().unwrap().keep = 2;
     let mut model = ResNet::new(&pool, config(Precision::F32)).unwrap();
     fit(
         &mut model,
@@ -201,7 +206,7 @@ fn a_stop_request_saves_the_current_step_and_says_how_to_resume() {
     let mut model = ResNet::new(&pool, config(Precision::F32)).unwrap();
     let mut opt = optimizer(false);
     let mut o = options(&dir, 6, 0, false);
-    o.save_every_steps = None;
+    o.saving.as_mut().unwrap().every_steps = None;
     o.stop = Some(std::sync::Arc::new(std::sync::atomic::AtomicBool::new(
         true,
     )));
@@ -215,5 +220,68 @@ fn a_stop_request_saves_the_current_step_and_says_how_to_resume() {
     }
     assert!(err.to_string().contains("resume with --resume"), "{err}");
     assert_eq!(list_states(&dir).unwrap().len(), 1);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A run writes and deletes only its own state files: a file of another
+/// run at the same step is not overwritten (the save fails, naming it),
+/// and clean-up (`keep`) leaves other runs' files alone.
+#[test]
+fn a_run_never_overwrites_or_deletes_another_runs_state_files() {
+    let dir = temp("owners");
+    let data = SyntheticGratings::generate(10, 16, 3, 5);
+    let pool = Pool::new();
+    let mut model = ResNet::new(&pool, config(Precision::F32)).unwrap();
+    fit(
+        &mut model,
+        &pool,
+        &mut optimizer(false),
+        &data,
+        &data,
+        &options(&dir, 2, 0, false),
+        |_| {},
+    )
+    .unwrap();
+    let before: Vec<Vec<u8>> = list_states(&dir)
+        .unwrap()
+        .iter()
+        .map(|(_, p)| std::fs::read(p).unwrap())
+        .collect();
+    assert_eq!(before.len(), 2);
+    let other = |max_steps, resume_step| {
+        let mut o = options(&dir, max_steps, resume_step, false);
+        let s = o.saving.as_mut().unwrap();
+        s.run_id = "other-run".into();
+        s.keep = 1;
+        o
+    };
+    let err = fit(
+        &mut model,
+        &pool,
+        &mut optimizer(false),
+        &data,
+        &data,
+        &other(4, 0),
+        |_| {},
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("belongs to another run (test-run)"), "{err}");
+    // Steps 3 and 4 of the other run, keeping 1 of its own.
+    fit(
+        &mut model,
+        &pool,
+        &mut optimizer(false),
+        &data,
+        &data,
+        &other(4, 2),
+        |_| {},
+    )
+    .unwrap();
+    let steps: Vec<usize> = list_states(&dir).unwrap().iter().map(|c| c.0).collect();
+    assert_eq!(steps, vec![1, 2, 4]);
+    for (i, (_, p)) in list_states(&dir).unwrap().iter().take(2).enumerate() {
+        assert_eq!(std::fs::read(p).unwrap(), before[i], "{}", p.display());
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

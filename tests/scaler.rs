@@ -35,12 +35,9 @@ fn options(steps: usize, inject: Vec<usize>, metrics: Option<std::path::PathBuf>
         inject_inf_steps: inject,
         workers: 0,
         nan_policy: memfit::train::NanPolicy::Stop,
-        save_dir: None,
-        save_every_steps: None,
-        save_every_epochs: None,
-        keep_states: 1,
-        fingerprint: String::new(),
+        saving: None,
         resume_step: 0,
+        resume_sums: None,
         stop: None,
     }
 }

@@ -1,32 +1,25 @@
 //! The `memfit` command line.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
 use std::io::Write;
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
-use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
-use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
+use clap::parser::ValueSource;
+use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 
 use memfit::bench::{
     StepOptions, StrategiesOptions, format_max_batch_header, format_max_batch_row,
     format_strategies, largest_batch, max_batch_strategies, measure_steps, pytorch_rows,
     run_strategies,
 };
-use memfit::data::{DataOptions, load_data};
-use memfit::io::{TensorFile, fc_rows, load_torchvision, save_state_dict};
-use memfit::memory::{Category, MemoryStats, Pool, fmt_bytes, parse_bytes};
-use memfit::nn::{BnPolicy, Precision, StemKind};
-use memfit::optim::GradScaler;
-use memfit::plan::{PlanRequest, Strategy, report, resolve};
-use memfit::setup::{
-    self, ModelSpec, bf16_emulation_note, check_bn_values, check_output_file, default_base_width,
-    head_classes, lr_schedule, parse_precision, requested_micro_batch,
-};
-use memfit::train::state::{FingerprintInputs, check_save_dir, load_state, run_fingerprint};
-use memfit::train::{NanPolicy, TrainOptions, evaluate, fit};
+use memfit::data::DataOptions;
+use memfit::memory::{MemoryStats, fmt_bytes, parse_bytes};
+use memfit::nn::{BnPolicy, StemKind};
+use memfit::run::{self, EvalConfig, MemoryConfig, TrainConfig};
+use memfit::setup::{self, ModelSpec};
+use memfit::train::NanPolicy;
 
 /// Exit status when standard output's reader has gone (`memfit … | head`):
 /// what a shell reports for a program that SIGPIPE ended (128 + 13).
@@ -170,13 +163,6 @@ struct PrecisionArgs {
     /// outputs instead of storing them (cheap recompute inside blocks).
     #[arg(long)]
     recompute_bn_relu: bool,
-}
-
-impl PrecisionArgs {
-    /// The fixed precision, or None for auto.
-    fn parse(&self) -> Result<Option<Precision>> {
-        Ok(parse_precision(&self.precision)?)
-    }
 }
 
 #[derive(Subcommand)]
@@ -373,11 +359,6 @@ impl DataArgs {
             val_fraction: self.val_fraction,
         }
     }
-
-    /// --base-width, or its default for this dataset.
-    fn base_width(&self, flag: Option<usize>) -> usize {
-        flag.unwrap_or_else(|| default_base_width(&self.data))
-    }
 }
 
 #[derive(Args)]
@@ -498,7 +479,9 @@ struct TrainArgs {
     /// Append one JSON object per optimizer step and per evaluation.
     #[arg(long)]
     metrics_jsonl: Option<PathBuf>,
-    /// Start from a torchvision-layout state_dict (.safetensors).
+    /// Start from a torchvision-layout state_dict (.safetensors), memfit's
+    /// saved weights or a checkpoint; --model, --base-width and --stem
+    /// default to those the file's metadata names.
     #[arg(long)]
     init: Option<PathBuf>,
     /// With --init: keep a fresh fc for this dataset's classes.
@@ -508,8 +491,9 @@ struct TrainArgs {
     #[arg(long)]
     save_weights: Option<PathBuf>,
     /// Write training-state checkpoints (weights, optimizer state, loss
-    /// scaler, step) to this directory: after every --save-every-steps /
-    /// --save-every-epochs, at the end, and on Ctrl-C / SIGTERM.
+    /// scaler, step, the run's flags) to this directory: after every
+    /// --save-every-steps / --save-every-epochs, at the end, and on Ctrl-C /
+    /// SIGTERM. A directory holding another run's checkpoints is refused.
     #[arg(long)]
     save_dir: Option<PathBuf>,
     #[arg(long)]
@@ -526,7 +510,12 @@ struct TrainArgs {
     #[arg(long, value_enum, default_value = "stop")]
     nan_policy: NanPolicyArg,
     /// Continue a run from a checkpoint file or the newest one in a
-    /// directory; every other flag must match the original run.
+    /// directory (which must hold one run's). The run's flags are saved in
+    /// its checkpoints: flags not given are taken from there, and a flag
+    /// given with another value is refused unless changing it is safe
+    /// (--epochs, --steps, --workers, --eval-every, --metrics-jsonl,
+    /// --save-*, --keep-checkpoints, --memory-budget, --checkpoint,
+    /// --time-model, --nan-policy, --memory-trace).
     #[arg(long)]
     resume: Option<PathBuf>,
     #[command(flatten)]
@@ -550,7 +539,10 @@ struct EvalArgs {
     /// (conv 3x3 stride 1, no max pool: for 28x28 / 32x32 images).
     #[arg(long, value_enum, default_value = "imagenet")]
     stem: StemArg,
-    /// Weights to evaluate (torchvision layout, .safetensors).
+    /// Weights to evaluate (torchvision layout, .safetensors; memfit's
+    /// weights and checkpoints name their model, width, stem and classes,
+    /// so those flags are not needed, and an image folder's classes are
+    /// matched to the model's by name).
     #[arg(long)]
     weights: PathBuf,
     #[command(flatten)]
@@ -629,7 +621,8 @@ fn expand_config(mut args: Vec<OsString>) -> Result<Vec<OsString>> {
 }
 
 fn run() -> Result<()> {
-    let cli = Cli::parse_from(expand_config(std::env::args_os().collect())?);
+    let args = expand_config(std::env::args_os().collect())?;
+    let (cli, matches) = parse(args.clone());
     if let Some(t) = cli.threads {
         if t == 0 {
             bail!("--threads must be at least 1");
@@ -640,34 +633,17 @@ fn run() -> Result<()> {
             .context("starting the thread pool")?;
     }
     match cli.command {
-        Command::Train(a) => train(a, false),
-        Command::Plan(a) => train(a, true),
-        Command::Eval(a) => eval(a),
+        Command::Train(a) => train(a, &args, &matches, "train", false),
+        Command::Plan(a) => train(a, &args, &matches, "plan", true),
+        Command::Eval(a) => eval(a, &matches),
         Command::Bench(BenchCommand::Step(a)) => bench_step(a),
         Command::Bench(BenchCommand::Strategies(a)) => bench_strategies(a),
         Command::Bench(BenchCommand::MaxBatch(a)) => bench_max_batch(a),
     }
 }
 
-/// Peak resident set size of this process, from /proc (Linux only).
-fn print_memory(stats: &MemoryStats) {
-    outln!(
-        "tracked peak: {} (reserved now {})",
-        fmt_bytes(stats.peak_total),
-        fmt_bytes(stats.reserved)
-    );
-    outln!("  {:<12} {:>12} {:>12}", "category", "at peak", "own peak");
-    for c in Category::ALL {
-        outln!(
-            "  {:<12} {:>12} {:>12}",
-            c.name(),
-            fmt_bytes(stats.at_peak.get(c)),
-            fmt_bytes(stats.peak.get(c))
-        );
-    }
-    if let Some(rss) = memfit::memory::process_peak_rss_bytes() {
-        outln!("process peak RSS: {}", fmt_bytes(rss));
-    }
+fn print_memory(stats: &MemoryStats) -> Result<()> {
+    Ok(run::write_memory(&mut Stdout, stats)?)
 }
 
 /// `--memory-budget`'s bytes.
@@ -701,7 +677,7 @@ fn bench_step(a: StepArgs) -> Result<()> {
         profile: a.profile,
     };
     let r = measure_steps(&opts, true, &mut Stdout)?;
-    print_memory(&r.measured);
+    print_memory(&r.measured)?;
     outln!(
         "predicted peak {} vs measured {}",
         fmt_bytes(r.predicted),
@@ -749,293 +725,157 @@ fn bench_max_batch(a: MaxBatchArgs) -> Result<()> {
     Ok(())
 }
 
-/// `train`, or with `plan_only` just the plan report (`memfit plan`).
-fn train(a: TrainArgs, plan_only: bool) -> Result<()> {
-    if a.batch_size == 0 {
-        bail!("--batch-size must be at least 1");
-    }
-    let budget = parse_budget(a.memory.memory_budget.as_deref())?;
-    let strategy: Strategy = a.memory.checkpoint.parse()?;
-    let fixed_precision = a.memory.precision.parse()?;
-    let micro_batch =
-        requested_micro_batch(a.batch_size, a.memory.micro_batch, a.memory.accum_steps)?;
-    let bn = match a.memory.bn {
-        BnKind::Batch => BnPolicy::Batch,
-        BnKind::Frozen => BnPolicy::Frozen,
+/// The flags of `sub` (train, plan) in `m`, as the command line gave or
+/// defaulted them (long name → value), and those given on the command line
+/// (or by --config). Not --config, --resume, --help, --threads.
+fn flag_map(m: &ArgMatches, sub: &str) -> (BTreeMap<String, String>, BTreeSet<String>) {
+    let (mut values, mut given) = (BTreeMap::new(), BTreeSet::new());
+    let command = Cli::command();
+    let Some(c) = command.find_subcommand(sub) else {
+        return (values, given);
     };
-    let pool = Pool::new();
-    let data = load_data(&a.data.options(), a.seed)?;
-    let (train_set, val_set, size) = (&*data.train, &*data.val, data.size);
-    let init = a.init.as_ref().map(TensorFile::open).transpose()?;
-    let classes = head_classes(
-        train_set.classes(),
-        a.num_classes,
-        init.as_ref(),
-        a.reset_head,
-    )?;
-    if a.steps == Some(0) {
-        bail!("--steps must be at least 1");
-    }
-    let base_width = a.data.base_width(a.base_width);
-    let mut model = ModelSpec {
-        name: a.model.clone(),
-        base_width,
-        stem: a.stem.into(),
-        num_classes: classes,
-        seed: a.seed,
-    }
-    .build(&pool)?;
-    if let Some(f) = &init {
-        load_torchvision(&mut model, f, a.reset_head)?;
-    }
-    model.check_image_size(size, size)?;
-    model.set_bn_policy(bn);
-    model.set_precision(fixed_precision.unwrap_or_default());
-    model.set_recompute_bn_relu(a.memory.precision.recompute_bn_relu);
-    outln!(
-        "training {} (base width {}, {:?} stem, {} parameters) on {}: {} classes, {} train / {} val images at {size}x{size}",
-        a.model,
-        base_width,
-        StemKind::from(a.stem),
-        model.param_count(),
-        a.data.data,
-        classes,
-        train_set.len(),
-        val_set.len(),
-    );
-    let steps_per_epoch = train_set.len().div_ceil(a.batch_size.max(1));
-    let epochs = match a.steps {
-        Some(steps) => steps.div_ceil(steps_per_epoch),
-        None => a.epochs,
-    };
-    let total_steps = a.steps.unwrap_or(steps_per_epoch * a.epochs);
-    let lr_schedule = lr_schedule(
-        a.schedule.into(),
-        steps_per_epoch,
-        total_steps,
-        a.step_epochs,
-        a.gamma,
-        a.warmup_epochs,
-    );
-    let mut optimizer =
-        setup::OptimizerKind::from(a.optimizer).build(a.lr, a.momentum, a.weight_decay, a.nesterov);
-    let resolved = resolve(&PlanRequest {
-        config: &model.config,
-        bn,
-        optimizer: &optimizer,
-        batch: a.batch_size,
-        micro_batch,
-        image_size: size,
-        budget,
-        strategy,
-        auto_precision: fixed_precision.is_none(),
-        time_model: a.memory.time_model.parse()?,
-    })?;
-    model.set_precision(resolved.precision);
-    if plan_only {
-        emit(format_args!("{}", report(&resolved, a.batch_size)));
-        return Ok(());
-    }
-    check_bn_values(&model, bn, a.batch_size, resolved.micro_batch, size)?;
-    // Where the results go is checked before the first step, not after the
-    // last one.
-    if let Some(dir) = &a.save_dir {
-        check_save_dir(dir)?;
-    }
-    if let Some(path) = &a.save_weights {
-        check_output_file(path, "--save-weights")?;
-    }
-    outln!(
-        "plan: {} at micro-batch {} x {} step(s), {}{}; predicted peak {}",
-        resolved.plan,
-        resolved.micro_batch,
-        resolved.accum_steps(a.batch_size),
-        resolved.precision,
-        if resolved.recompute_bn_relu {
-            ", BN+ReLU recomputed"
-        } else {
-            ""
-        },
-        fmt_bytes(resolved.predicted.peak_total)
-    );
-    if let Some(note) = bf16_emulation_note(resolved.precision) {
-        eprintln!("{note}");
-    }
-    if a.memory.scaler_init.is_nan() || a.memory.scaler_init <= 0.0 {
-        bail!("--scaler-init must be a positive number");
-    }
-    let scaler = (resolved.precision == Precision::F16)
-        .then(|| GradScaler::new(a.memory.scaler_init, a.memory.scaler_growth_interval));
-    // The hard budget from here on: the allocator refuses to cross it.
-    pool.set_budget(budget);
-    let fingerprint = run_fingerprint(&FingerprintInputs {
-        model: &a.model,
-        base_width,
-        stem: a.stem.into(),
-        classes,
-        precision: resolved.precision,
-        recompute_bn_relu: resolved.recompute_bn_relu,
-        bn,
-        data: &a.data.data,
-        image_size: size,
-        batch_size: a.batch_size,
-        micro_batch: resolved.micro_batch,
-        optimizer: a.optimizer.into(),
-        lr: a.lr,
-        momentum: a.momentum,
-        nesterov: a.nesterov,
-        weight_decay: a.weight_decay,
-        schedule: a.schedule.into(),
-        warmup_epochs: a.warmup_epochs,
-        total_steps,
-        label_smoothing: a.label_smoothing,
-        clip_grad_norm: a.clip_grad_norm,
-        seed: a.seed,
-        shuffle: !a.no_shuffle,
-    });
-    let mut scaler = scaler;
-    let mut resume_step = 0;
-    if let Some(from) = &a.resume {
-        let r = load_state(from, &pool, &mut model, &mut optimizer, &fingerprint)?;
-        outln!(
-            "resuming from {} after optimizer step {}",
-            r.path.display(),
-            r.step
-        );
-        resume_step = r.step;
-        if r.scaler.is_some() {
-            scaler = r.scaler;
+    for arg in c.get_arguments() {
+        let (id, Some(long)) = (arg.get_id().as_str(), arg.get_long()) else {
+            continue;
+        };
+        if ["config", "resume", "help", "threads"].contains(&long) {
+            continue;
+        }
+        if let Some(raw) = m.get_raw(id) {
+            let v: Vec<String> = raw.map(|r| r.to_string_lossy().into_owned()).collect();
+            values.insert(long.to_string(), v.join(","));
+        }
+        if m.value_source(id) == Some(ValueSource::CommandLine) {
+            given.insert(long.to_string());
         }
     }
-    let stop = Arc::new(AtomicBool::new(false));
-    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::flag::register(sig, stop.clone()).context("installing a signal handler")?;
-    }
-    let opts = TrainOptions {
-        epochs,
-        max_steps: a.steps,
-        progress: true,
-        batch_size: a.batch_size,
-        micro_batch: Some(resolved.micro_batch),
-        plan: Some(resolved.plan.clone()),
-        predicted_peak: Some(resolved.predicted.peak_total),
-        memory_trace: a.memory.memory_trace.clone(),
-        seed: a.seed,
-        shuffle: !a.no_shuffle,
-        label_smoothing: a.label_smoothing,
-        base_lr: a.lr,
-        schedule: lr_schedule,
-        clip_grad_norm: a.clip_grad_norm,
-        eval_every: a.eval_every,
-        metrics_jsonl: a.metrics_jsonl.clone(),
-        scaler,
-        inject_inf_steps: Vec::new(),
-        nan_policy: match a.nan_policy {
-            NanPolicyArg::Stop => NanPolicy::Stop,
-            NanPolicyArg::Skip => NanPolicy::Skip,
-        },
-        workers: data.workers,
-        save_every_epochs: a
-            .save_every_epochs
-            .or((a.save_every_steps.is_none()).then_some(1)),
-        save_dir: a.save_dir.clone(),
-        save_every_steps: a.save_every_steps,
-        keep_states: a.keep_checkpoints,
-        fingerprint,
-        resume_step,
-        stop: Some(stop),
-    };
-    let start = Instant::now();
-    let reports = fit(
-        &mut model,
-        &pool,
-        &mut optimizer,
-        train_set,
-        val_set,
-        &opts,
-        |r| {
-            let eval = r.eval.map_or(String::new(), |e| {
-                format!(
-                    ", val loss {:.4}, val top-1 {:.2}%, top-5 {:.2}%",
-                    e.loss,
-                    100.0 * e.top1,
-                    100.0 * e.top5
-                )
-            });
-            outln!(
-                "epoch {}: train loss {:.4}, train top-1 {:.1}%{eval}, lr {:.4}, {:.0} img/s, tracked peak {}",
-                r.epoch,
-                r.train_loss,
-                100.0 * r.train_top1,
-                r.lr,
-                r.img_per_s,
-                fmt_bytes(r.memory.peak_total)
-            );
-            if r.skipped > 0 {
-                outln!("skipped {} unreadable files", r.skipped);
-            }
-        },
-    )?;
-    outln!("trained in {:.1} s", start.elapsed().as_secs_f64());
-    if let Some(last) = reports.last() {
-        print_memory(&last.memory);
-        let (p, m) = (resolved.predicted.peak_total, last.memory.peak_total);
-        outln!(
-            "predicted peak {} vs measured {} ({:+.2}%){}",
-            fmt_bytes(p),
-            fmt_bytes(m),
-            100.0 * (m as f64 - p as f64) / p.max(1) as f64,
-            // The prediction is of the steady state: from the second step
-            // on, the optimizer state is live during forward and backward.
-            if total_steps.saturating_sub(resume_step) < 2 {
-                "; the prediction is for the steady state from step 2, this run took fewer steps"
-            } else {
-                ""
-            }
-        );
-    }
-    if let Some(path) = &a.memory.memory_trace {
-        outln!("memory trace written to {}", path.display());
-    }
-    if let Some(path) = &a.save_weights {
-        save_state_dict(&mut model, path)?;
-        outln!("saved weights to {}", path.display());
-    }
-    Ok(())
+    (values, given)
 }
 
-fn eval(a: EvalArgs) -> Result<()> {
-    if a.batch_size == 0 {
-        bail!("--batch-size must be at least 1");
+/// Parses the command line.
+fn parse(args: Vec<OsString>) -> (Cli, ArgMatches) {
+    let matches = Cli::command().get_matches_from(args);
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    (cli, matches)
+}
+
+/// `train` and `plan`: with `--resume` of a run that saved its flags, the
+/// flags not given again are the saved ones (re-parsed with them).
+fn train(
+    a: TrainArgs,
+    args: &[OsString],
+    matches: &ArgMatches,
+    sub: &str,
+    plan_only: bool,
+) -> Result<()> {
+    let m = matches.subcommand_matches(sub).context("subcommand")?;
+    let (values, given) = flag_map(m, sub);
+    if let Some(from) = &a.resume
+        && let Some(saved) = run::saved_flags(from)
+    {
+        let merged = run::merge_resumed_flags(&saved, &values, &given)?;
+        for note in &merged.notes {
+            eprintln!("note: {note}");
+        }
+        if !merged.take.is_empty() {
+            let at = args.iter().position(|x| x == sub).context("subcommand")? + 1;
+            let mut args = args.to_vec();
+            let mut extra: Vec<OsString> = Vec::new();
+            for (k, v) in merged.take {
+                extra.push(format!("--{k}").into());
+                if v != "true" {
+                    extra.push(v.into());
+                }
+            }
+            args.splice(at..at, extra);
+            let (cli, matches) = parse(args);
+            let a = match cli.command {
+                Command::Train(a) | Command::Plan(a) => a,
+                _ => bail!("unexpected subcommand"),
+            };
+            let m = matches.subcommand_matches(sub).context("subcommand")?;
+            let (values, _) = flag_map(m, sub);
+            return Ok(run::train(&a.config(m, values), plan_only, &mut Stdout)?);
+        }
     }
-    let pool = Pool::new();
-    let data = load_data(&a.data.options(), a.seed)?;
-    let (val_set, size) = (&*data.val, data.size);
-    if val_set.is_empty() {
-        bail!("no validation images: pass --val-data, or a --val-fraction above 0");
+    Ok(run::train(&a.config(m, values), plan_only, &mut Stdout)?)
+}
+
+/// `--model`, `--stem`: None unless given (then the weights' metadata or
+/// the defaults decide).
+fn given<T>(m: &ArgMatches, id: &str, v: T) -> Option<T> {
+    (m.value_source(id) == Some(ValueSource::CommandLine)).then_some(v)
+}
+
+impl TrainArgs {
+    fn config(&self, m: &ArgMatches, flags: BTreeMap<String, String>) -> TrainConfig {
+        TrainConfig {
+            model: given(m, "model", self.model.clone()),
+            base_width: self.base_width,
+            stem: given(m, "stem", self.stem.into()),
+            data: self.data.options(),
+            epochs: self.epochs,
+            steps: self.steps,
+            num_classes: self.num_classes,
+            batch_size: self.batch_size,
+            optimizer: self.optimizer.into(),
+            lr: self.lr,
+            momentum: self.momentum,
+            nesterov: self.nesterov,
+            weight_decay: self.weight_decay,
+            schedule: self.schedule.into(),
+            warmup_epochs: self.warmup_epochs,
+            step_epochs: self.step_epochs,
+            gamma: self.gamma,
+            label_smoothing: self.label_smoothing,
+            clip_grad_norm: self.clip_grad_norm,
+            seed: self.seed,
+            shuffle: !self.no_shuffle,
+            eval_every: self.eval_every,
+            metrics_jsonl: self.metrics_jsonl.clone(),
+            init: self.init.clone(),
+            reset_head: self.reset_head,
+            save_weights: self.save_weights.clone(),
+            save_dir: self.save_dir.clone(),
+            save_every_steps: self.save_every_steps,
+            save_every_epochs: self.save_every_epochs,
+            keep_checkpoints: self.keep_checkpoints,
+            nan_policy: match self.nan_policy {
+                NanPolicyArg::Stop => NanPolicy::Stop,
+                NanPolicyArg::Skip => NanPolicy::Skip,
+            },
+            resume: self.resume.clone(),
+            memory: MemoryConfig {
+                memory_budget: self.memory.memory_budget.clone(),
+                checkpoint: self.memory.checkpoint.clone(),
+                time_model: self.memory.time_model.clone(),
+                micro_batch: self.memory.micro_batch,
+                accum_steps: self.memory.accum_steps,
+                bn: match self.memory.bn {
+                    BnKind::Batch => BnPolicy::Batch,
+                    BnKind::Frozen => BnPolicy::Frozen,
+                },
+                memory_trace: self.memory.memory_trace.clone(),
+                precision: self.memory.precision.precision.clone(),
+                recompute_bn_relu: self.memory.precision.recompute_bn_relu,
+                scaler_init: self.memory.scaler_init,
+                scaler_growth_interval: self.memory.scaler_growth_interval,
+            },
+            flags,
+        }
     }
-    let file = TensorFile::open(&a.weights)?;
-    let classes = fc_rows(&file).unwrap_or(val_set.classes());
-    let mut model = ModelSpec {
-        name: a.model.clone(),
-        base_width: a.data.base_width(a.base_width),
-        stem: a.stem.into(),
-        num_classes: classes,
-        seed: 0,
-    }
-    .build(&pool)?;
-    load_torchvision(&mut model, &file, false)?;
-    model.check_image_size(size, size)?;
-    let e = evaluate(&mut model, &pool, val_set, a.batch_size, data.workers)?;
-    outln!(
-        "{} images: loss {:.4}, top-1 {:.2}%, top-5 {:.2}%",
-        e.samples,
-        e.loss,
-        100.0 * e.top1,
-        100.0 * e.top5
-    );
-    if e.skipped > 0 {
-        outln!("skipped {} unreadable files", e.skipped);
-    }
-    Ok(())
+}
+
+fn eval(a: EvalArgs, matches: &ArgMatches) -> Result<()> {
+    let m = matches.subcommand_matches("eval").context("subcommand")?;
+    let config = EvalConfig {
+        model: given(m, "model", a.model.clone()),
+        base_width: a.base_width,
+        stem: given(m, "stem", a.stem.into()),
+        weights: a.weights.clone(),
+        data: a.data.options(),
+        batch_size: a.batch_size,
+        seed: a.seed,
+    };
+    Ok(run::eval(&config, &mut Stdout)?)
 }

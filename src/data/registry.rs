@@ -44,6 +44,9 @@ pub struct Data {
     pub size: usize,
     /// Loader threads: only files are worth loading ahead.
     pub workers: usize,
+    /// The class of each label, for image folders (their class folders'
+    /// names); None for the built-in sets.
+    pub class_names: Option<Vec<String>>,
 }
 
 /// (train, validation) sets at the requested image size.
@@ -104,6 +107,7 @@ pub fn load_data(a: &DataOptions, seed: u64) -> Result<Data> {
                 val: Box::new(val),
                 size,
                 workers: 0,
+                class_names: None,
             });
         }
     };
@@ -114,6 +118,7 @@ pub fn load_data(a: &DataOptions, seed: u64) -> Result<Data> {
         val: Box::new(val),
         size,
         workers: 0,
+        class_names: None,
     })
 }
 
@@ -161,7 +166,9 @@ fn load_folders(a: &DataOptions, seed: u64) -> Result<Data> {
     } else {
         (Transform::train(size), Transform::eval(size))
     };
+    let class_names = Some(val.classes.clone());
     Ok(Data {
+        class_names,
         train: Box::new(ImageFolderDataset {
             folder: train,
             transform: train_tf,

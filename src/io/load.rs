@@ -3,7 +3,7 @@
 use std::collections::BTreeSet;
 
 use crate::error::{Error, Result};
-use crate::io::{RawData, RawTensor, TensorFile};
+use crate::io::{ModelMeta, RawData, RawTensor, TensorFile, guess_architecture, stem_flag};
 use crate::nn::{ResNet, StateSlot, StemKind};
 
 /// How many problems one error lists before summarising the rest.
@@ -45,10 +45,23 @@ pub fn load_state_dict(
 /// `reset_head`, `fc.weight` and `fc.bias` of the file are skipped and the
 /// model keeps its freshly initialised head, whatever its number of classes:
 /// fine-tuning a pretrained backbone on a new label set.
+///
+/// A memfit training state file is a weights file too: its optimizer
+/// buffers (`optimizer.*`) are not state_dict entries and are ignored.
 pub fn load_torchvision(model: &mut ResNet, file: &TensorFile, reset_head: bool) -> Result<()> {
     let skip: &[&str] = if reset_head { &HEAD } else { &[] };
-    load(model, file, &[], skip)
+    let ignore: &[&str] = if file.metadata.contains_key(STATE_FILE_KEY) {
+        &[STATE_EXTRAS_PREFIX]
+    } else {
+        &[]
+    };
+    load(model, file, ignore, skip)
 }
+
+/// The metadata key that marks a memfit training state file (its value is
+/// the format version), and the prefix of its non-state_dict tensors.
+pub const STATE_FILE_KEY: &str = "memfit_checkpoint";
+pub const STATE_EXTRAS_PREFIX: &str = "optimizer.";
 
 fn bad(file: &TensorFile, reason: String) -> Error {
     Error::BadWeights {
@@ -132,6 +145,32 @@ fn copy_into(slot: StateSlot<'_>, t: &RawTensor) {
 /// A hint for the most common whole-file mismatches.
 fn hints(model: &mut ResNet, file: &TensorFile, fc_mismatch: bool) -> Vec<String> {
     let mut out = Vec::new();
+    // What the file says (or looks like) it is, when the model is another
+    // architecture: the flags to pass.
+    let c = &model.config;
+    if let Some(m) = ModelMeta::of_file(file).or_else(|| guess_architecture(file))
+        && let Ok(zoo) = crate::nn::ResNetConfig::by_name(&m.model)
+        && (zoo.block != c.block
+            || zoo.layers != c.layers
+            || m.base_width != c.base_width
+            || m.stem != c.stem)
+    {
+        let said = if ModelMeta::of_file(file).is_some() {
+            "this file holds"
+        } else {
+            "this looks like"
+        };
+        out.push(format!(
+            "{said} a {} at base width {} with the {} stem and {} classes; pass --model {} --base-width {} --stem {}",
+            m.model,
+            m.base_width,
+            stem_flag(m.stem),
+            m.num_classes,
+            m.model,
+            m.base_width,
+            stem_flag(m.stem)
+        ));
+    }
     let classes = model.config.num_classes;
     if fc_mismatch
         && let Some(rows) = fc_rows(file)

@@ -5,13 +5,16 @@
 //!
 //! - [`TensorFile`]: a decoded safetensors file (F32 / I64 tensors).
 //! - [`load_state_dict`], [`load_torchvision`], [`fc_rows`]: into a model.
+//! - [`ModelMeta`]: what a file says it is (model, width, stem, classes).
 //! - [`save_state_dict`]: out of a model, loadable by
 //!   `torchvision.models.<name>().load_state_dict(..., strict=True)`.
 
 mod load;
+mod meta;
 mod save;
 
-pub use load::{fc_rows, load_state_dict, load_torchvision};
+pub use load::{STATE_EXTRAS_PREFIX, STATE_FILE_KEY, fc_rows, load_state_dict, load_torchvision};
+pub use meta::{ModelMeta, guess_architecture, stem_flag};
 pub use save::{save_state_dict, save_state_dict_with};
 
 use std::collections::BTreeMap;

@@ -21,6 +21,7 @@ use crate::nn::{Precision, ResNet};
 pub use crate::optim::Optimizer;
 use crate::optim::{GradScaler, LrSchedule};
 use metrics::MetricsWriter;
+use state::{EpochSums, StateSaving};
 use step::{StepPolicy, TrainStep, gather};
 
 pub struct TrainOptions {
@@ -63,19 +64,15 @@ pub struct TrainOptions {
     /// 0 loads each batch on the training thread when it is needed. The
     /// batches are the same for any count.
     pub workers: usize,
-    /// Write training-state checkpoints here (see [`state`]).
-    pub save_dir: Option<PathBuf>,
-    /// Save after every this many optimizer steps.
-    pub save_every_steps: Option<usize>,
-    /// Save after every this many epochs.
-    pub save_every_epochs: Option<usize>,
-    /// Checkpoints kept in `save_dir` (the newest).
-    pub keep_states: usize,
-    /// What must match for a checkpoint to resume this run (`key=value; …`).
-    pub fingerprint: String,
+    /// Save training state (checkpoints) as this says (see [`state`]).
+    pub saving: Option<StateSaving>,
     /// Optimizer steps already taken by the run being resumed: their
     /// windows are skipped (the data order is replayed, nothing computed).
     pub resume_step: usize,
+    /// The running sums of the epoch the resumed state was saved in: that
+    /// epoch's line then reports all of its steps, not only those after the
+    /// restart.
+    pub resume_sums: Option<EpochSums>,
     /// Set (by a signal handler) to stop after the current step, save a
     /// checkpoint and return [`Error::Interrupted`].
     pub stop: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
@@ -276,20 +273,13 @@ fn fit_in<'scope, 'env>(
         pool.record_timeline(true);
     }
     let mut step = 0;
-    let save = |dir: &PathBuf,
+    let save = |saving: &StateSaving,
                 model: &mut ResNet,
                 optimizer: &Optimizer,
                 step: usize,
-                scaler: Option<&GradScaler>| {
-        state::save_state(
-            dir,
-            model,
-            optimizer,
-            step,
-            scaler,
-            &opts.fingerprint,
-            opts.keep_states,
-        )
+                scaler: Option<&GradScaler>,
+                sums: EpochSums| {
+        state::save_state(saving, model, optimizer, step, scaler, sums)
     };
     let loader = Loader {
         data: train,
@@ -303,6 +293,12 @@ fn fit_in<'scope, 'env>(
         }
         let start = std::time::Instant::now();
         let (mut loss_sum, mut correct, mut seen, mut skipped) = (0.0, 0, 0, 0);
+        // Images trained on in this process (the rate counts only them).
+        let mut seen_here = 0;
+        // The steps of this epoch before the restart count in its line.
+        if let Some(s) = opts.resume_sums.filter(|s| s.epoch == epoch) {
+            (loss_sum, correct, seen) = (s.loss_sum, s.correct, s.seen);
+        }
         let bar = progress_bar(opts.progress, order.len().div_ceil(opts.batch_size), epoch);
         let mut lr = opts.base_lr;
         // Per-step time includes waiting for the batch.
@@ -349,9 +345,9 @@ fn fit_in<'scope, 'env>(
                         loss,
                         what,
                         last_good: opts
-                            .save_dir
-                            .as_deref()
-                            .and_then(state::newest_state)
+                            .saving
+                            .as_ref()
+                            .and_then(|s| state::newest_state(&s.dir))
                             .map(|p| p.display().to_string()),
                     },
                     other => other,
@@ -374,11 +370,18 @@ fn fit_in<'scope, 'env>(
             }
             correct += out.correct;
             seen += n;
+            seen_here += n;
+            let sums = EpochSums {
+                epoch,
+                loss_sum,
+                correct,
+                seen,
+            };
             bar.inc(1);
             bar.set_message(format!(
                 "loss {:.4}, lr {lr:.4}, {:.0} img/s, peak {}",
                 loss_sum / seen as f64,
-                seen as f64 / start.elapsed().as_secs_f64(),
+                seen_here as f64 / start.elapsed().as_secs_f64(),
                 crate::memory::fmt_bytes(pool.stats().peak_total)
             ));
             metrics.step(
@@ -390,10 +393,17 @@ fn fit_in<'scope, 'env>(
                 &pool.stats(),
                 opts.predicted_peak,
             )?;
-            if let Some(dir) = &opts.save_dir
-                && opts.save_every_steps.is_some_and(|k| step % k.max(1) == 0)
+            if let Some(saving) = &opts.saving
+                && saving.every_steps.is_some_and(|k| step % k.max(1) == 0)
             {
-                save(dir, model, optimizer, step, trainer.scaler.as_ref())?;
+                save(
+                    saving,
+                    model,
+                    optimizer,
+                    step,
+                    trainer.scaler.as_ref(),
+                    sums,
+                )?;
             }
             if opts
                 .stop
@@ -401,11 +411,18 @@ fn fit_in<'scope, 'env>(
                 .is_some_and(|f| f.load(std::sync::atomic::Ordering::SeqCst))
             {
                 bar.finish_and_clear();
-                let saved_state = match &opts.save_dir {
-                    Some(dir) => Some(
-                        save(dir, model, optimizer, step, trainer.scaler.as_ref())?
-                            .display()
-                            .to_string(),
+                let saved_state = match &opts.saving {
+                    Some(saving) => Some(
+                        save(
+                            saving,
+                            model,
+                            optimizer,
+                            step,
+                            trainer.scaler.as_ref(),
+                            sums,
+                        )?
+                        .display()
+                        .to_string(),
                     ),
                     None => None,
                 };
@@ -444,20 +461,31 @@ fn fit_in<'scope, 'env>(
             train_top1: correct as f64 / seen as f64,
             lr,
             eval,
-            img_per_s: seen as f64 / secs,
+            img_per_s: seen_here as f64 / secs,
             memory: pool.stats(),
             skipped,
         };
         on_epoch(&report);
         reports.push(report);
-        if let Some(dir) = &opts.save_dir
-            && (opts
-                .save_every_epochs
-                .is_some_and(|k| epoch % k.max(1) == 0)
+        if let Some(saving) = &opts.saving
+            && (saving.every_epochs.is_some_and(|k| epoch % k.max(1) == 0)
                 || epoch == opts.epochs
                 || opts.max_steps.is_some_and(|m| step >= m))
         {
-            save(dir, model, optimizer, step, trainer.scaler.as_ref())?;
+            let sums = EpochSums {
+                epoch,
+                loss_sum,
+                correct,
+                seen,
+            };
+            save(
+                saving,
+                model,
+                optimizer,
+                step,
+                trainer.scaler.as_ref(),
+                sums,
+            )?;
         }
         if opts.max_steps.is_some_and(|m| step >= m) {
             break;

@@ -5,8 +5,11 @@
 //! `DIR/ckpt-00001234.safetensors` (the optimizer step it was taken after),
 //! holding the state_dict in torchvision's names and layout (so a checkpoint
 //! is also a weights file), the optimizer's buffers (`optimizer.*`), and in
-//! the metadata the format version, the step, the loss-scaler state and a
-//! fingerprint of everything that must match to resume.
+//! the metadata the format version, the step, the loss-scaler state, a
+//! fingerprint of everything that must match to resume, the run's id (a
+//! run deletes and overwrites only its own files), the running sums of the
+//! epoch in progress, and what the caller adds (the run's configuration,
+//! the model's architecture and class names).
 //!
 //! What is *not* stored, because it is recomputed exactly: the data order
 //! (the shuffle RNG is replayed from the seed), augmentation randomness
@@ -38,6 +41,11 @@ pub struct Resume {
     pub step: usize,
     pub scaler: Option<GradScaler>,
     pub path: PathBuf,
+    /// The run's id (None: a file saved before runs had ids).
+    pub run_id: Option<String>,
+    /// The running sums of the epoch the state was saved in (None in
+    /// files saved before they were kept).
+    pub sums: Option<EpochSums>,
 }
 
 /// `DIR/ckpt-<step>.safetensors`.
@@ -97,8 +105,8 @@ pub fn check_save_dir(dir: &Path) -> Result<()> {
 
 /// Removes the temporary files of checkpoint writes that a killed run left
 /// (`.ckpt-<step>.safetensors.<pid>.<nanos>.tmp`, see `write_atomic`).
-/// Called before a run starts writing: one run owns a save directory (the
-/// retention of two runs sharing one would delete each other's files too).
+/// Called before a run starts writing: one run owns a save directory
+/// ([`check_save_dir_owner`] refuses another run's).
 fn remove_stale_temporaries(dir: &Path) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
@@ -111,19 +119,223 @@ fn remove_stale_temporaries(dir: &Path) {
     }
 }
 
+/// How a run saves its state (`--save-dir` and its cadence).
+#[derive(Clone, Debug, Default)]
+pub struct StateSaving {
+    pub dir: PathBuf,
+    /// Save after every this many optimizer steps.
+    pub every_steps: Option<usize>,
+    /// Save after every this many epochs.
+    pub every_epochs: Option<usize>,
+    /// State files of this run kept in `dir` (the newest).
+    pub keep: usize,
+    /// What must match for a state file to resume this run (`key=value; …`).
+    pub fingerprint: String,
+    /// The run's id: its files are its own, the only ones it overwrites or
+    /// deletes ([`new_run_id`]).
+    pub run_id: String,
+    /// More metadata for every file (the run's configuration, the model's
+    /// architecture and class names).
+    pub metadata: HashMap<String, String>,
+}
+
+/// The running sums of the epoch a state was saved in, so that a resumed
+/// run reports the loss and top-1 of the whole epoch.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct EpochSums {
+    pub epoch: usize,
+    /// Sum over the epoch's samples of their loss.
+    pub loss_sum: f64,
+    pub correct: usize,
+    pub seen: usize,
+}
+
+/// A fresh run id: 16 hex digits from the clock and the process id.
+pub fn new_run_id() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    format!(
+        "{:016x}",
+        nanos ^ (u64::from(std::process::id())).rotate_left(48)
+    )
+}
+
+/// The `__metadata__` of a safetensors file, reading its header only.
+pub fn read_metadata(path: &Path) -> Result<HashMap<String, String>> {
+    use std::io::Read;
+    let bad = |reason: String| Error::BadWeights {
+        path: path.display().to_string(),
+        reason,
+    };
+    let mut f = std::fs::File::open(path).map_err(|e| Error::Io {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    })?;
+    let mut len = [0u8; 8];
+    f.read_exact(&mut len)
+        .map_err(|e| bad(format!("not a valid safetensors file: {e}")))?;
+    let len = u64::from_le_bytes(len);
+    if len > 100_000_000 {
+        return Err(bad("not a valid safetensors file: header too large".into()));
+    }
+    let mut header = vec![0u8; len as usize];
+    f.read_exact(&mut header)
+        .map_err(|e| bad(format!("not a valid safetensors file: {e}")))?;
+    let v: serde_json::Value = serde_json::from_slice(&header)
+        .map_err(|e| bad(format!("not a valid safetensors header: {e}")))?;
+    Ok(v.get("__metadata__")
+        .and_then(|m| m.as_object())
+        .map(|m| {
+            m.iter()
+                .filter_map(|(k, v)| v.as_str().map(|v| (k.clone(), v.to_string())))
+                .collect()
+        })
+        .unwrap_or_default())
+}
+
+/// One state file in a directory.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StateFile {
+    pub step: usize,
+    pub path: PathBuf,
+    /// The run that wrote it; None for files of the format before run ids
+    /// (or unreadable ones): they belong to "another run".
+    pub run_id: Option<String>,
+}
+
+/// The state files in `dir` with their runs, oldest first.
+pub fn states_with_runs(dir: &Path) -> Result<Vec<StateFile>> {
+    Ok(list_states(dir)?
+        .into_iter()
+        .map(|(step, path)| {
+            let run_id = read_metadata(&path)
+                .ok()
+                .and_then(|m| m.get(RUN_ID_KEY).cloned());
+            StateFile { step, path, run_id }
+        })
+        .collect())
+}
+
+/// Metadata keys of a state file beyond the format's first version.
+pub const RUN_ID_KEY: &str = "run_id";
+pub const RUN_CONFIG_KEY: &str = "run_config";
+const EPOCH_KEYS: [&str; 4] = ["epoch", "epoch_loss_sum", "epoch_correct", "epoch_seen"];
+
+/// The runs of `files`, each with its newest file, in the order they appear.
+fn runs(files: &[StateFile]) -> Vec<(Option<String>, &StateFile)> {
+    let mut out: Vec<(Option<String>, &StateFile)> = Vec::new();
+    for f in files {
+        match out.iter_mut().find(|(id, _)| *id == f.run_id) {
+            Some(r) => r.1 = f,
+            None => out.push((f.run_id.clone(), f)),
+        }
+    }
+    out
+}
+
+fn describe_runs(runs: &[(Option<String>, &StateFile)]) -> String {
+    runs.iter()
+        .map(|(id, f)| {
+            format!(
+                "run {} (newest {}, after step {})",
+                id.as_deref()
+                    .unwrap_or("without an id, saved by an older memfit"),
+                f.path.display(),
+                f.step
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// Refuses, before training, a save directory holding state files of
+/// another run than `run_id` (None: a new run, which owns no files yet):
+/// writing there would overwrite them, and clean-up would mix the runs.
+/// `legacy_ok`: the run resumes a file saved before runs had ids, so the
+/// id-less files count as its own (they are never deleted).
+pub fn check_save_dir_owner(dir: &Path, run_id: Option<&str>, legacy_ok: bool) -> Result<()> {
+    if !dir.is_dir() {
+        return Ok(());
+    }
+    let files = states_with_runs(dir)?;
+    let foreign: Vec<StateFile> = files
+        .into_iter()
+        .filter(|f| match (&f.run_id, run_id) {
+            (Some(a), Some(b)) => a != b,
+            (None, _) => !legacy_ok,
+            (Some(_), None) => true,
+        })
+        .collect();
+    if foreign.is_empty() {
+        return Ok(());
+    }
+    let others = runs(&foreign);
+    let resume = if others.len() == 1 {
+        format!("memfit train --resume {}", dir.display())
+    } else {
+        format!(
+            "memfit train --resume {}",
+            others
+                .last()
+                .map(|(_, f)| f.path.display().to_string())
+                .unwrap_or_default()
+        )
+    };
+    Err(Error::Usage(format!(
+        "--save-dir {} holds the checkpoints of another run ({}); this run would overwrite or delete them. \
+         To continue that run: {resume}; to start a new one, choose another --save-dir",
+        dir.display(),
+        describe_runs(&others)
+    )))
+}
+
+/// The state file `--resume FROM` names: FROM itself, or the newest file
+/// in the directory FROM, which must hold the files of one run only.
+pub fn resume_file(from: &Path) -> Result<PathBuf> {
+    if !from.is_dir() {
+        return Ok(from.to_path_buf());
+    }
+    let files = states_with_runs(from)?;
+    let all = runs(&files);
+    // A run resumed from a file of the format before run ids writes files
+    // with an id beside the id-less ones: its newest file continues it.
+    if all.len() == 2
+        && all.iter().any(|(id, _)| id.is_none())
+        && let Some(newest) = files.last()
+        && newest.run_id.is_some()
+    {
+        return Ok(newest.path.clone());
+    }
+    match all.len() {
+        0 => Err(Error::Io {
+            path: from.display().to_string(),
+            reason: "holds no checkpoint (ckpt-*.safetensors) to resume from".into(),
+        }),
+        1 => Ok(all[0].1.path.clone()),
+        _ => Err(Error::Usage(format!(
+            "--resume {} holds the checkpoints of {} runs: {}. Resume one of them by naming its file",
+            from.display(),
+            all.len(),
+            describe_runs(&all)
+        ))),
+    }
+}
+
 /// Writes the state after optimizer step `step` (atomically: a failed write
 /// leaves the previous checkpoints as they were, and the error, an
 /// [`Error::StateWrite`], names the newest of them), then deletes all
-/// but the newest `keep`.
+/// but the newest `saving.keep` of this run's files (never another run's).
+/// `sums`: the epoch's running sums at this step.
 pub fn save_state(
-    dir: &Path,
+    saving: &StateSaving,
     model: &mut ResNet,
     optimizer: &Optimizer,
     step: usize,
     scaler: Option<&GradScaler>,
-    fingerprint: &str,
-    keep: usize,
+    sums: EpochSums,
 ) -> Result<PathBuf> {
+    let dir = &saving.dir;
     let path = state_path(dir, step);
     let failed = |reason: String| Error::StateWrite {
         path: path.display().to_string(),
@@ -136,6 +348,17 @@ pub fn save_state(
             dir.display()
         ))
     })?;
+    if path.exists() {
+        let owner = read_metadata(&path)
+            .ok()
+            .and_then(|m| m.get(RUN_ID_KEY).cloned());
+        if owner.as_deref() != Some(saving.run_id.as_str()) {
+            return Err(failed(format!(
+                "the file belongs to another run ({}); it is kept",
+                owner.as_deref().unwrap_or("without an id")
+            )));
+        }
+    }
     let (buffers, steps) = optimizer.state();
     // Host copies of the optimizer state, whatever device it lives on.
     let mut host = Vec::with_capacity(buffers.len());
@@ -150,11 +373,21 @@ pub fn save_state(
         .iter()
         .map(|(n, d, v)| (n.clone(), d.clone(), v.as_slice()))
         .collect();
-    let mut meta = HashMap::from([
+    let mut meta = saving.metadata.clone();
+    meta.extend([
         ("memfit_checkpoint".to_string(), FORMAT_VERSION.to_string()),
         ("step".to_string(), step.to_string()),
         ("optimizer_steps".to_string(), steps.to_string()),
-        ("fingerprint".to_string(), fingerprint.to_string()),
+        ("fingerprint".to_string(), saving.fingerprint.clone()),
+        (RUN_ID_KEY.to_string(), saving.run_id.clone()),
+        (EPOCH_KEYS[0].to_string(), sums.epoch.to_string()),
+        // The bits, so the resumed sum is exactly this one.
+        (
+            EPOCH_KEYS[1].to_string(),
+            format!("{:016x}", sums.loss_sum.to_bits()),
+        ),
+        (EPOCH_KEYS[2].to_string(), sums.correct.to_string()),
+        (EPOCH_KEYS[3].to_string(), sums.seen.to_string()),
     ]);
     if let Some(s) = scaler {
         meta.insert("scaler_scale".into(), format!("{:e}", s.scale));
@@ -170,8 +403,15 @@ pub fn save_state(
         Error::Io { reason, .. } => failed(reason),
         other => other,
     })?;
-    let all = list_states(dir)?;
-    for (_, old) in all.iter().take(all.len().saturating_sub(keep.max(1))) {
+    let ours: Vec<PathBuf> = states_with_runs(dir)?
+        .into_iter()
+        .filter(|f| f.run_id.as_deref() == Some(saving.run_id.as_str()))
+        .map(|f| f.path)
+        .collect();
+    for old in ours
+        .iter()
+        .take(ours.len().saturating_sub(saving.keep.max(1)))
+    {
         let _ = std::fs::remove_file(old);
     }
     Ok(path)
@@ -289,17 +529,20 @@ pub fn load_state(
     optimizer: &mut Optimizer,
     fingerprint: &str,
 ) -> Result<Resume> {
-    let path = if from.is_dir() {
-        list_states(from)?
-            .pop()
-            .map(|(_, p)| p)
-            .ok_or_else(|| Error::Io {
-                path: from.display().to_string(),
-                reason: "holds no checkpoint (ckpt-*.safetensors) to resume from".into(),
-            })?
-    } else {
-        from.to_path_buf()
-    };
+    load_state_ignoring(from, pool, model, optimizer, fingerprint, &[])
+}
+
+/// [`load_state`], with the fingerprint keys `ignore` allowed to differ
+/// (`total_steps` when a run is resumed for more steps).
+pub fn load_state_ignoring(
+    from: &Path,
+    pool: &Pool,
+    model: &mut ResNet,
+    optimizer: &mut Optimizer,
+    fingerprint: &str,
+    ignore: &[&str],
+) -> Result<Resume> {
+    let path = resume_file(from)?;
     let file = TensorFile::open(&path)?;
     let bad = |reason: String| Error::BadWeights {
         path: path.display().to_string(),
@@ -321,7 +564,10 @@ pub fn load_state(
         }
     }
     let saved = meta("fingerprint").unwrap_or_default();
-    let diff = fingerprint_diff(&saved, fingerprint);
+    let diff: Vec<String> = fingerprint_diff(&saved, fingerprint)
+        .into_iter()
+        .filter(|d| !ignore.iter().any(|k| d.starts_with(&format!("{k}: "))))
+        .collect();
     if !diff.is_empty() {
         return Err(bad(format!(
             "was written by an incompatible run: {}",
@@ -361,7 +607,27 @@ pub fn load_state(
             }
             other => other,
         })?;
-    Ok(Resume { step, scaler, path })
+    let sums = match (
+        meta(EPOCH_KEYS[0]).and_then(|v| v.parse().ok()),
+        meta(EPOCH_KEYS[1]).and_then(|v| u64::from_str_radix(&v, 16).ok()),
+        meta(EPOCH_KEYS[2]).and_then(|v| v.parse().ok()),
+        meta(EPOCH_KEYS[3]).and_then(|v| v.parse().ok()),
+    ) {
+        (Some(epoch), Some(bits), Some(correct), Some(seen)) => Some(EpochSums {
+            epoch,
+            loss_sum: f64::from_bits(bits),
+            correct,
+            seen,
+        }),
+        _ => None,
+    };
+    Ok(Resume {
+        step,
+        scaler,
+        run_id: meta(RUN_ID_KEY),
+        path,
+        sums,
+    })
 }
 
 #[cfg(test)]
