@@ -634,10 +634,10 @@ pub fn train(a: &TrainConfig, plan_only: bool, out: &mut dyn Write) -> Result<()
             }
             let eval = r.eval.map_or(String::new(), |e| {
                 format!(
-                    ", val loss {:.4}, val top-1 {:.2}%, top-5 {:.2}%",
+                    ", val loss {:.4}, val top-1 {:.2}%, top-5 {}",
                     e.loss,
                     100.0 * e.top1,
-                    100.0 * e.top5
+                    e.top5_text()
                 )
             });
             let mut w = || -> std::io::Result<()> {
@@ -797,11 +797,11 @@ pub fn eval(a: &EvalConfig, out: &mut dyn Write) -> Result<()> {
     let e = evaluate(&mut model, &pool, val_set, a.batch_size, data.workers)?;
     line!(
         out,
-        "{} images: loss {:.4}, top-1 {:.2}%, top-5 {:.2}%",
+        "{} images: loss {:.4}, top-1 {:.2}%, top-5 {}",
         e.samples,
         e.loss,
         100.0 * e.top1,
-        100.0 * e.top5
+        e.top5_text()
     );
     if e.skipped > 0 {
         line!(out, "skipped {} unreadable files", e.skipped);

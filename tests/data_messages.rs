@@ -133,3 +133,39 @@ fn unsupported_formats_and_special_files_are_left_out_loudly_never_opened() {
         "{err}"
     );
 }
+
+/// With 5 classes or fewer every label is in the top 5: the epoch line
+/// says "n/a" instead of a meaningless 100%; with more it gives a number.
+#[test]
+fn top5_is_not_applicable_with_five_classes_or_fewer() {
+    let run = |classes: &str| {
+        let (code, out, err) = memfit(&[
+            "train",
+            "--data",
+            "synthetic",
+            "--classes",
+            classes,
+            "--train-size",
+            "16",
+            "--val-size",
+            "16",
+            "--image-size",
+            "16",
+            "--base-width",
+            "4",
+            "--batch-size",
+            "8",
+            "--epochs",
+            "1",
+        ]);
+        assert_eq!(code, 0, "{err}");
+        out
+    };
+    let few = run("3");
+    assert!(few.contains("top-5 n/a"), "{few}");
+    let many = run("8");
+    assert!(
+        !many.contains("top-5 n/a") && many.contains("top-5 "),
+        "{many}"
+    );
+}

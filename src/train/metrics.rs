@@ -86,7 +86,7 @@ impl MetricsWriter {
             "{{\"epoch\":{epoch},\"step\":{step},\"val_loss\":{},\"val_top1\":{},\"val_top5\":{}}}",
             num(e.loss),
             num(e.top1),
-            num(e.top5)
+            e.top5.map_or("null".to_string(), num)
         ))
     }
 

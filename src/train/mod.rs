@@ -87,11 +87,20 @@ pub const TRACE_STEPS: usize = 2;
 pub struct EvalReport {
     pub loss: f64,
     pub top1: f64,
-    pub top5: f64,
+    /// None with 5 classes or fewer, where every label is in the top 5.
+    pub top5: Option<f64>,
     /// Images evaluated; fewer than the set's length by `skipped`.
     pub samples: usize,
     /// Unreadable images left out.
     pub skipped: usize,
+}
+
+impl EvalReport {
+    /// "12.34%", or "n/a" with 5 classes or fewer (always 100%).
+    pub fn top5_text(&self) -> String {
+        self.top5
+            .map_or("n/a".to_string(), |t| format!("{:.2}%", 100.0 * t))
+    }
 }
 
 /// One epoch's summary.
@@ -196,7 +205,7 @@ pub fn evaluate(
     Ok(EvalReport {
         loss: loss / n,
         top1: top1 as f64 / n,
-        top5: top5 as f64 / n,
+        top5: (classes > 5).then(|| top5 as f64 / n),
         samples,
         skipped,
     })
