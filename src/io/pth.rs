@@ -211,7 +211,7 @@ fn read_legacy(bytes: &[u8]) -> std::result::Result<BTreeMap<String, RawTensor>,
     let root = main.result.take().ok_or("empty pickle")?;
     let storages = std::mem::take(&mut main.storages);
     let keys = next("storage keys", &mut pos)?.result;
-    let keys: Vec<String> = match keys {
+    let keys: Vec<String> = match &keys {
         Some(Value::List(l)) => l
             .borrow()
             .iter()
@@ -390,6 +390,44 @@ impl Value {
     }
 }
 
+/// Dropping a value takes its children out first and drops them one by one,
+/// so a hostile pickle of a million nested lists cannot overflow the stack
+/// through recursive drops. (Shared children are only released; cycles,
+/// which a pickle can make, leak, bounded by the file's size.)
+impl Drop for Value {
+    fn drop(&mut self) {
+        let mut work = Vec::new();
+        take_children(self, &mut work);
+        while let Some(mut v) = work.pop() {
+            take_children(&mut v, &mut work);
+        }
+    }
+}
+
+fn take_children(v: &mut Value, work: &mut Vec<Value>) {
+    match v {
+        Value::Tuple(t) => {
+            if let Some(items) = Rc::get_mut(t) {
+                work.extend(items.iter_mut().map(|x| std::mem::replace(x, Value::None)));
+            }
+        }
+        Value::List(l) => {
+            if let Some(items) = Rc::get_mut(l) {
+                work.append(items.get_mut());
+            }
+        }
+        Value::Dict(d) => {
+            if let Some(items) = Rc::get_mut(d) {
+                for (k, v) in items.get_mut().drain(..) {
+                    work.push(k);
+                    work.push(v);
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
 fn truncate(s: &str) -> String {
     if s.chars().count() > 60 {
         format!("{}...", s.chars().take(60).collect::<String>())
@@ -517,7 +555,7 @@ impl<'a> Unpickler<'a> {
     }
 
     fn set_items(&mut self, items: Vec<Value>) -> PResult<()> {
-        if items.len() % 2 != 0 {
+        if !items.len().is_multiple_of(2) {
             return Err("SETITEMS with an odd number of values".into());
         }
         let Value::Dict(d) = self.top()? else {
@@ -783,7 +821,7 @@ impl<'a> Unpickler<'a> {
         let Value::Global(g) = callable else {
             return Err(format!("REDUCE calls {}", callable.describe()));
         };
-        let Value::Tuple(args) = args else {
+        let Value::Tuple(args) = &args else {
             return Err(format!("REDUCE of {g:?} with {}", args.describe()));
         };
         match (g, &args[..]) {
@@ -1059,6 +1097,27 @@ mod tests {
             ..t.clone()
         };
         assert!(gather(&past, &raw, true).unwrap_err().contains("past"));
+    }
+
+    /// A million nested lists: an error (not a state_dict), not a stack
+    /// overflow when the values are dropped.
+    #[test]
+    fn deep_nesting_does_not_overflow_the_stack() {
+        let n = 1_000_000;
+        let mut pkl = vec![0x80, 0x02];
+        pkl.extend(std::iter::repeat_n(b']', n));
+        pkl.extend(std::iter::repeat_n(b'a', n - 1));
+        pkl.push(b'.');
+        let mut u = Unpickler::new(&pkl, 0);
+        u.load().unwrap();
+        let root = u.result.take().unwrap();
+        let err = build(root, &BTreeMap::new(), &BTreeMap::new(), true).unwrap_err();
+        assert!(err.contains("not a state_dict"), "{err}");
+        // Left on the stack too.
+        let mut pkl = vec![0x80, 0x02, b'('];
+        pkl.extend(std::iter::repeat_n(b']', n));
+        pkl.extend(std::iter::repeat_n(b'a', n - 1));
+        let _ = Unpickler::new(&pkl, 0).load();
     }
 
     #[test]
