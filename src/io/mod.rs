@@ -3,7 +3,9 @@
 //! naming the file and the tensor; a failed write is an [`Error::Io`] naming
 //! the target.
 //!
-//! - [`TensorFile`]: a decoded safetensors file (F32 / I64 tensors).
+//! - [`TensorFile`]: a decoded safetensors file (F32 / I64 tensors), or a
+//!   `torch.save` file (torchvision's `.pth`), read by [`pth`] without
+//!   running any of its pickle.
 //! - [`load_state_dict`], [`load_torchvision`], [`fc_rows`]: into a model.
 //! - [`ModelMeta`]: what a file says it is (model, width, stem, classes).
 //! - [`save_state_dict`]: out of a model, loadable by
@@ -11,6 +13,7 @@
 
 mod load;
 mod meta;
+pub mod pth;
 mod save;
 
 pub use load::{STATE_EXTRAS_PREFIX, STATE_FILE_KEY, fc_rows, load_state_dict, load_torchvision};
@@ -61,6 +64,14 @@ impl TensorFile {
     }
 
     pub fn parse(path: &str, bytes: &[u8]) -> Result<Self> {
+        // By content, not extension: torch.save files (torchvision's .pth).
+        if pth::sniff(bytes).is_some() {
+            return Ok(TensorFile {
+                path: path.to_string(),
+                tensors: pth::read(path, bytes)?,
+                metadata: BTreeMap::new(),
+            });
+        }
         let bad = |reason: String| Error::BadWeights {
             path: path.to_string(),
             reason,
