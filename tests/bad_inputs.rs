@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::{TempDir, assert_no_panic, memfit, memfit_env};
+use common::{TempDir, assert_no_panic, memfit, memfit_env, png};
 use memfit::io::save_state_dict;
 use memfit::memory::Pool;
 use memfit::nn::{ResNet, ResNetConfig};
@@ -208,18 +208,6 @@ fn bad_weight_files_are_refused_by_init_and_eval() {
 }
 
 // ---------- data: image folders ----------
-
-fn png(w: u32, h: u32) -> Vec<u8> {
-    let mut out = Vec::new();
-    let mut enc = png::Encoder::new(&mut out, w, h);
-    enc.set_color(png::ColorType::Rgb);
-    enc.set_depth(png::BitDepth::Eight);
-    let mut wr = enc.write_header().unwrap();
-    wr.write_image_data(&vec![128; (w * h * 3) as usize])
-        .unwrap();
-    drop(wr);
-    out
-}
 
 const FOLDER_RUN: [&str; 14] = [
     "train",

@@ -5,18 +5,7 @@ mod common;
 
 use std::process::Command;
 
-use common::{assert_no_panic, memfit};
-
-#[track_caller]
-fn assert_clean_error(args: &[&str], needle: &str) {
-    let (code, _, err) = memfit(args);
-    assert_ne!(code, 0, "{args:?} succeeded");
-    assert!(
-        err.contains(needle),
-        "{args:?}: stderr lacks {needle:?}:\n{err}"
-    );
-    assert_no_panic(&format!("{args:?}"), &err);
-}
+use common::{assert_clean_error, assert_no_panic, memfit};
 
 /// The number after `key` in `s`, up to the next ',' or '%'.
 fn field(s: &str, key: &str) -> Option<String> {

@@ -7,30 +7,7 @@ mod common;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{TempDir, assert_no_panic, memfit};
-
-fn png(w: u32, h: u32) -> Vec<u8> {
-    let mut out = Vec::new();
-    let mut enc = png::Encoder::new(&mut out, w, h);
-    enc.set_color(png::ColorType::Rgb);
-    enc.set_depth(png::BitDepth::Eight);
-    let mut wr = enc.write_header().unwrap();
-    wr.write_image_data(&vec![128; (w * h * 3) as usize])
-        .unwrap();
-    drop(wr);
-    out
-}
-
-#[track_caller]
-fn assert_clean_error(args: &[&str], needle: &str) {
-    let (code, _, err) = memfit(args);
-    assert_ne!(code, 0, "{args:?} succeeded");
-    assert!(
-        err.contains(needle),
-        "{args:?}: stderr lacks {needle:?}:\n{err}"
-    );
-    assert_no_panic(&format!("{args:?}"), &err);
-}
+use common::{TempDir, assert_clean_error, assert_no_panic, memfit, png};
 
 #[test]
 fn a_missing_or_wrong_data_path_is_named() {

@@ -115,3 +115,28 @@ pub fn assert_no_panic(what: &str, err: &str) {
         "{what} panicked:\n{err}"
     );
 }
+
+/// A w×h mid-grey RGB PNG.
+pub fn png(w: u32, h: u32) -> Vec<u8> {
+    let mut out = Vec::new();
+    let mut enc = png::Encoder::new(&mut out, w, h);
+    enc.set_color(png::ColorType::Rgb);
+    enc.set_depth(png::BitDepth::Eight);
+    let mut wr = enc.write_header().unwrap();
+    wr.write_image_data(&vec![128; (w * h * 3) as usize])
+        .unwrap();
+    drop(wr);
+    out
+}
+
+/// The binary fails with `args`, says `needle` on stderr, and does not panic.
+#[track_caller]
+pub fn assert_clean_error(args: &[&str], needle: &str) {
+    let (code, _, err) = memfit(args);
+    assert_ne!(code, 0, "{args:?} succeeded");
+    assert!(
+        err.contains(needle),
+        "{args:?}: stderr lacks {needle:?}:\n{err}"
+    );
+    assert_no_panic(&format!("{args:?}"), &err);
+}
