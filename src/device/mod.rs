@@ -19,6 +19,9 @@ pub mod cuda;
 pub enum Target {
     /// This machine's CPU.
     Cpu,
+    /// CUDA device number `n` (the driver's ordinal).
+    #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+    Cuda(u32),
 }
 
 /// Where a tensor's storage lives.
@@ -31,6 +34,10 @@ pub enum Device {
     /// those of the target, so a step simulated here allocates exactly
     /// what it allocates there (the planner's simulator).
     Meta(Target),
+    /// CUDA device number `n`: storage is device memory (a device address),
+    /// kernels are queued on the device's one compute stream.
+    #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+    Cuda(u32),
 }
 
 impl Device {
@@ -44,6 +51,8 @@ impl Device {
         match self {
             Device::Cpu => Target::Cpu,
             Device::Meta(t) => t,
+            #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+            Device::Cuda(n) => Target::Cuda(n),
         }
     }
 
@@ -51,6 +60,8 @@ impl Device {
     pub fn capabilities(self) -> Capabilities {
         match self.target() {
             Target::Cpu => Capabilities::cpu(),
+            #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+            Target::Cuda(n) => Capabilities::cuda(n),
         }
     }
 
@@ -58,6 +69,8 @@ impl Device {
         match self {
             Device::Cpu => "cpu".into(),
             Device::Meta(t) => format!("meta({})", Device::from(t).name()),
+            #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+            Device::Cuda(n) => format!("cuda:{n}"),
         }
     }
 }
@@ -66,6 +79,8 @@ impl From<Target> for Device {
     fn from(t: Target) -> Device {
         match t {
             Target::Cpu => Device::Cpu,
+            #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+            Target::Cuda(n) => Device::Cuda(n),
         }
     }
 }
@@ -95,6 +110,33 @@ impl Capabilities {
     pub fn cpu() -> Self {
         Capabilities {
             native_bf16: cpu::bf16_gemm_available(),
+            conv_weight_layout: ConvWeightLayout::Hwio,
+            deterministic: true,
+        }
+    }
+
+    /// CUDA device `ordinal`, from the probe (asked once per device and
+    /// cached, see [`cuda::device_facts`]); when the probe fails (no GPU
+    /// here: a plan made on a machine without one), the documented default
+    /// device [`cuda::DEFAULT_COMPUTE_CAPABILITY`] stands in.
+    ///
+    /// * `native_bf16` is false on every GPU for now: the CUDA backend runs
+    ///   bf16 convolutions and GEMMs in fp32 on operands pre-rounded to bf16
+    ///   (the same values as a native bf16 product, no speed-up), so the
+    ///   layers must hand it f32 inputs and rounded weights, as on a CPU
+    ///   without AVX512-BF16. Reading bf16 in place needs cuDNN's bf16
+    ///   descriptors (compute capability >= 8.0): see
+    ///   [`cuda::hardware_bf16`].
+    /// * `conv_weight_layout` is `Hwio`, the layout the layers store: the
+    ///   backend transposes the weight into cuDNN's NHWC filter layout
+    ///   (cout, kh, kw, cin) inside the convolution's workspace.
+    /// * `deterministic`: the backend pins deterministic cuDNN algorithms
+    ///   and uses no atomics in its reductions.
+    #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+    pub fn cuda(ordinal: u32) -> Self {
+        let _facts = cuda::device_facts(ordinal);
+        Capabilities {
+            native_bf16: false,
             conv_weight_layout: ConvWeightLayout::Hwio,
             deterministic: true,
         }
