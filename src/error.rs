@@ -135,6 +135,17 @@ impl From<crate::device::cuda::Missing> for Error {
     }
 }
 
+impl From<crate::device::SelectError> for Error {
+    fn from(e: crate::device::SelectError) -> Self {
+        match e {
+            crate::device::SelectError::Usage(m) => Error::Usage(m),
+            crate::device::SelectError::Unavailable { what, hint } => {
+                Error::CudaUnavailable { what, hint }
+            }
+        }
+    }
+}
+
 #[cfg(any(feature = "cuda", feature = "cuda-12"))]
 impl From<crate::device::cuda::CallError> for Error {
     fn from(e: crate::device::cuda::CallError) -> Self {
