@@ -64,6 +64,10 @@ pub enum Error {
     /// CUDA). `what` names it; `hint` says how to get it.
     #[error("{what}: {hint}")]
     CudaUnavailable { what: String, hint: String },
+    /// A CUDA call failed on a device that the probe accepted (out of
+    /// device memory, a launch error, a cuDNN or cuBLAS status).
+    #[error("CUDA: {op} failed: {reason}")]
+    Cuda { op: &'static str, reason: String },
     /// NVRTC rejected a kernel source; `log` is its compiler log.
     #[error("NVRTC could not compile kernel source {kernel} for {arch}:\n{log}")]
     KernelCompile {
@@ -127,6 +131,37 @@ impl From<crate::device::cuda::Missing> for Error {
         Error::CudaUnavailable {
             what: m.what,
             hint: m.hint,
+        }
+    }
+}
+
+impl From<crate::device::SelectError> for Error {
+    fn from(e: crate::device::SelectError) -> Self {
+        match e {
+            crate::device::SelectError::Usage(m) => Error::Usage(m),
+            crate::device::SelectError::Unavailable { what, hint } => {
+                Error::CudaUnavailable { what, hint }
+            }
+        }
+    }
+}
+
+#[cfg(any(feature = "cuda", feature = "cuda-12"))]
+impl From<crate::device::cuda::CallError> for Error {
+    fn from(e: crate::device::cuda::CallError) -> Self {
+        Error::Cuda {
+            op: e.op,
+            reason: e.reason,
+        }
+    }
+}
+
+#[cfg(any(feature = "cuda", feature = "cuda-12"))]
+impl From<crate::device::cuda::StartError> for Error {
+    fn from(e: crate::device::cuda::StartError) -> Self {
+        match e {
+            crate::device::cuda::StartError::Missing(m) => m.into(),
+            crate::device::cuda::StartError::Call(c) => c.into(),
         }
     }
 }

@@ -21,7 +21,9 @@
 //! synchronises with the host.
 
 mod cpu;
-/// CUDA kernel sources and their NVRTC compilation (not yet a dispatch arm).
+/// The CUDA arm: kernel sources and their NVRTC compilation, per-device
+/// state (stream, library handles, compiled modules) and one function per
+/// op (`cuda::ops`).
 #[cfg(any(feature = "cuda", feature = "cuda-12"))]
 pub mod cuda;
 
@@ -50,6 +52,8 @@ pub fn conv2d_workspace(device: Device, g: &ConvGeom, pass: ConvPass) -> (DType,
             ConvPass::Forward => (DType::F32, g.forward_workspace_len()),
             ConvPass::Backward => (DType::F32, g.backward_workspace_len()),
         },
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        crate::device::Target::Cuda(n) => cuda::ops::conv2d_workspace(n, g, pass),
     }
 }
 
@@ -76,6 +80,8 @@ pub fn conv2d_forward(
 ) -> Result<()> {
     match y.device() {
         Device::Cpu => cpu::conv2d_forward(y, x, w, g, ws, p),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(_) => cuda::ops::conv2d_forward(y, x, w, g, ws, p)?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -97,6 +103,8 @@ pub fn conv2d_backward(
 ) -> Result<()> {
     match dw.device() {
         Device::Cpu => cpu::conv2d_backward(dx, dw, dy, x, w, g, ws, p),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(_) => cuda::ops::conv2d_backward(dx, dw, dy, x, w, g, ws, p)?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -115,6 +123,8 @@ pub fn bn_batch_stats(
 ) -> Result<()> {
     match mean.device() {
         Device::Cpu => cpu::bn_batch_stats(mean, var, rstd, x, eps),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(_) => cuda::ops::bn_batch_stats(mean, var, rstd, x, eps)?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -132,6 +142,10 @@ pub fn bn_update_running(
 ) -> Result<()> {
     match running_mean.device() {
         Device::Cpu => cpu::bn_update_running(running_mean, running_var, mean, var, rows, momentum),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(_) => {
+            cuda::ops::bn_update_running(running_mean, running_var, mean, var, rows, momentum)?
+        }
         Device::Meta(_) => {}
     }
     Ok(())
@@ -148,6 +162,8 @@ pub fn bn_running_stats(
 ) -> Result<()> {
     match mean.device() {
         Device::Cpu => cpu::bn_running_stats(mean, rstd, running_mean, running_var, eps),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(_) => cuda::ops::bn_running_stats(mean, rstd, running_mean, running_var, eps)?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -168,6 +184,8 @@ pub fn bn_forward(
 ) -> Result<()> {
     match y.device() {
         Device::Cpu => cpu::bn_forward(y, x, mean, rstd, gamma, beta, relu, p),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(_) => cuda::ops::bn_forward(y, x, mean, rstd, gamma, beta, relu, p)?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -189,6 +207,10 @@ pub fn bn_forward_keep_x(
 ) -> Result<()> {
     match y.device() {
         Device::Cpu => cpu::bn_forward_keep_x(y, x_low, x, mean, rstd, gamma, beta, relu, p),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(_) => {
+            cuda::ops::bn_forward_keep_x(y, x_low, x, mean, rstd, gamma, beta, relu, p)?
+        }
         Device::Meta(_) => {}
     }
     Ok(())
@@ -227,6 +249,20 @@ pub fn bn_backward(
             batch_stats,
             p,
         ),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(_) => cuda::ops::bn_backward(
+            dx,
+            dgamma,
+            dbeta,
+            dy,
+            x,
+            mean,
+            rstd,
+            gamma,
+            relu_out,
+            batch_stats,
+            p,
+        )?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -245,6 +281,8 @@ pub fn add_relu_forward(
 ) -> Result<()> {
     match z.device() {
         Device::Cpu => cpu::add_relu_forward(z, residual, mask, p),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(_) => cuda::ops::add_relu_forward(z, residual, mask, p)?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -254,6 +292,8 @@ pub fn add_relu_forward(
 pub fn add_assign(acc: &mut Tensor, x: &Tensor, p: Precision) -> Result<()> {
     match acc.device() {
         Device::Cpu => cpu::add_assign(acc, x, p),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(_) => cuda::ops::add_assign(acc, x, p)?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -263,6 +303,8 @@ pub fn add_assign(acc: &mut Tensor, x: &Tensor, p: Precision) -> Result<()> {
 pub fn relu_mask_forward(x: &mut Tensor, mask: &mut Tensor) -> Result<()> {
     match x.device() {
         Device::Cpu => cpu::relu_mask_forward(x, mask),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(_) => cuda::ops::relu_mask_forward(x, mask)?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -272,6 +314,8 @@ pub fn relu_mask_forward(x: &mut Tensor, mask: &mut Tensor) -> Result<()> {
 pub fn relu_mask_backward_inplace(d: &mut Tensor, mask: &Tensor) -> Result<()> {
     match d.device() {
         Device::Cpu => cpu::relu_mask_backward_inplace(d, mask),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(_) => cuda::ops::relu_mask_backward_inplace(d, mask)?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -281,6 +325,8 @@ pub fn relu_mask_backward_inplace(d: &mut Tensor, mask: &Tensor) -> Result<()> {
 pub fn maxpool_forward(y: &mut Tensor, x: &Tensor, g: &PoolGeom) -> Result<()> {
     match y.device() {
         Device::Cpu => cpu::maxpool_forward(y, x, g),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(_) => cuda::ops::maxpool_forward(y, x, g)?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -296,6 +342,8 @@ pub fn maxpool_backward(
 ) -> Result<()> {
     match dx.device() {
         Device::Cpu => cpu::maxpool_backward(dx, dy, x, g, p),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(_) => cuda::ops::maxpool_backward(dx, dy, x, g, p)?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -305,6 +353,8 @@ pub fn maxpool_backward(
 pub fn avgpool_forward(y: &mut Tensor, x: &Tensor, p: Precision) -> Result<()> {
     match y.device() {
         Device::Cpu => cpu::avgpool_forward(y, x, p),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(_) => cuda::ops::avgpool_forward(y, x, p)?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -314,6 +364,8 @@ pub fn avgpool_forward(y: &mut Tensor, x: &Tensor, p: Precision) -> Result<()> {
 pub fn avgpool_backward(dx: &mut Tensor, dy: &Tensor, p: Precision) -> Result<()> {
     match dx.device() {
         Device::Cpu => cpu::avgpool_backward(dx, dy, p),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(_) => cuda::ops::avgpool_backward(dx, dy, p)?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -329,6 +381,8 @@ pub fn linear_forward(
 ) -> Result<()> {
     match y.device() {
         Device::Cpu => cpu::linear_forward(y, x, w, b, p),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(_) => cuda::ops::linear_forward(y, x, w, b, p)?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -346,6 +400,8 @@ pub fn linear_backward(
 ) -> Result<()> {
     match dx.device() {
         Device::Cpu => cpu::linear_backward(dx, dw, db, dy, x, w, p),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(_) => cuda::ops::linear_backward(dx, dw, db, dy, x, w, p)?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -378,6 +434,10 @@ pub fn cross_entropy(
 ) -> Result<LossOutput> {
     match d_logits.device() {
         Device::Cpu => cpu::cross_entropy(d_logits, logits, labels, smoothing, divisor, scale, p),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(_) => {
+            cuda::ops::cross_entropy(d_logits, logits, labels, smoothing, divisor, scale, p)
+        }
         Device::Meta(_) => Ok(LossOutput::default()),
     }
 }
@@ -389,6 +449,8 @@ pub fn cross_entropy(
 pub fn round(t: &mut Tensor, p: Precision) -> Result<()> {
     match t.device() {
         Device::Cpu => cpu::round(t, p),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(_) => cuda::ops::round(t, p)?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -398,6 +460,8 @@ pub fn round(t: &mut Tensor, p: Precision) -> Result<()> {
 pub fn widen(dst: &mut Tensor, src: &Tensor) -> Result<()> {
     match dst.device() {
         Device::Cpu => cpu::widen(dst, src),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(_) => cuda::ops::widen(dst, src)?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -407,6 +471,8 @@ pub fn widen(dst: &mut Tensor, src: &Tensor) -> Result<()> {
 pub fn narrow(dst: &mut Tensor, src: &Tensor) -> Result<()> {
     match dst.device() {
         Device::Cpu => cpu::narrow(dst, src),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(_) => cuda::ops::narrow(dst, src)?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -416,6 +482,8 @@ pub fn narrow(dst: &mut Tensor, src: &Tensor) -> Result<()> {
 pub fn copy_rounded(dst: &mut Tensor, src: &Tensor, p: Precision) -> Result<()> {
     match dst.device() {
         Device::Cpu => cpu::copy_rounded(dst, src, p),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(_) => cuda::ops::copy_rounded(dst, src, p)?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -448,6 +516,17 @@ pub fn sgd_update(
             weight_decay,
             nesterov,
         ),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(_) => cuda::ops::sgd_update(
+            value,
+            grad,
+            momentum_buf,
+            first,
+            lr,
+            momentum,
+            weight_decay,
+            nesterov,
+        )?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -480,6 +559,19 @@ pub fn adamw_update(
             eps,
             weight_decay,
         ),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(_) => cuda::ops::adamw_update(
+            value,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            t,
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        )?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -489,6 +581,8 @@ pub fn adamw_update(
 pub fn sum_squares(t: &Tensor) -> Result<f64> {
     Ok(match t.device() {
         Device::Cpu => cpu::sum_squares(t),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(_) => cuda::ops::sum_squares(t)?,
         Device::Meta(_) => 0.0,
     })
 }
@@ -497,6 +591,8 @@ pub fn sum_squares(t: &Tensor) -> Result<f64> {
 pub fn scale(t: &mut Tensor, c: f32) -> Result<()> {
     match t.device() {
         Device::Cpu => cpu::scale(t, c),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(_) => cuda::ops::scale(t, c)?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -506,6 +602,8 @@ pub fn scale(t: &mut Tensor, c: f32) -> Result<()> {
 pub fn unscale(t: &mut Tensor, inv: f32) -> Result<bool> {
     Ok(match t.device() {
         Device::Cpu => cpu::unscale(t, inv),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(_) => cuda::ops::unscale(t, inv)?,
         Device::Meta(_) => false,
     })
 }
@@ -514,6 +612,8 @@ pub fn unscale(t: &mut Tensor, inv: f32) -> Result<bool> {
 pub fn all_finite(t: &Tensor) -> Result<bool> {
     Ok(match t.device() {
         Device::Cpu => cpu::all_finite(t),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(_) => cuda::ops::all_finite(t)?,
         Device::Meta(_) => true,
     })
 }
@@ -532,6 +632,8 @@ pub fn copy_from_host(t: &mut Tensor, values: &[f32]) -> Result<()> {
     }
     match t.device() {
         Device::Cpu => cpu::copy_from_host(t, values),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(_) => cuda::ops::copy_from_host(t, values)?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -541,6 +643,8 @@ pub fn copy_from_host(t: &mut Tensor, values: &[f32]) -> Result<()> {
 pub fn copy_to_host(t: &Tensor) -> Result<Vec<f32>> {
     Ok(match t.device() {
         Device::Cpu => cpu::copy_to_host(t),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(_) => cuda::ops::copy_to_host(t)?,
         Device::Meta(_) => vec![0.0; t.numel()],
     })
 }
@@ -549,6 +653,8 @@ pub fn copy_to_host(t: &Tensor) -> Result<Vec<f32>> {
 pub fn copy(dst: &mut Tensor, src: &Tensor) -> Result<()> {
     match dst.device() {
         Device::Cpu => cpu::copy(dst, src),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(_) => cuda::ops::copy(dst, src)?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -559,5 +665,7 @@ pub fn copy(dst: &mut Tensor, src: &Tensor) -> Result<()> {
 pub fn synchronize(device: Device) -> Result<()> {
     match device {
         Device::Cpu | Device::Meta(_) => Ok(()),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(n) => cuda::ops::synchronize(n),
     }
 }

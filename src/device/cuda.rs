@@ -14,7 +14,11 @@
 //! turns a [`Missing`] into `Error::CudaUnavailable` (the error type sits
 //! above `device` in the import order, so it is not named here).
 
+use std::collections::HashMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::{CudaContext, CudaStream, result as drv};
 
 // With both features, cudarc fails to compile first (its CUDA 12 and 13
 // bindings conflict); this names the cause should cudarc ever accept both.
@@ -266,4 +270,204 @@ fn query_device(ordinal: usize) -> Result<CudaInfo, Missing> {
         total_bytes,
         free_bytes,
     })
+}
+
+// ---------------------------------------------------------------------------
+// Device facts for capabilities and planning
+
+/// The compute capability a plan for a CUDA device assumes when the probe
+/// fails (a plan made on a machine without that GPU, e.g. CI): an H100/H200
+/// (9.0), the GPU the checks in `../shared/gpu/FACTS.md` ran on.
+pub const DEFAULT_COMPUTE_CAPABILITY: (u32, u32) = (9, 0);
+
+/// What the rest of the crate needs to know about CUDA device `ordinal`,
+/// whether or not it is here.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceFacts {
+    /// The probe's compute capability, or [`DEFAULT_COMPUTE_CAPABILITY`].
+    pub compute_capability: (u32, u32),
+    /// What the probe found, or why it failed (then every fact above is
+    /// the documented default).
+    pub probe: std::result::Result<CudaInfo, Missing>,
+}
+
+impl DeviceFacts {
+    /// One line saying where the facts come from.
+    pub fn source(&self) -> String {
+        match &self.probe {
+            Ok(info) => format!("probed: {info}"),
+            Err(m) => format!(
+                "no CUDA device here ({}); assuming the documented default, compute capability \
+                 {}.{}",
+                m.what, DEFAULT_COMPUTE_CAPABILITY.0, DEFAULT_COMPUTE_CAPABILITY.1
+            ),
+        }
+    }
+}
+
+/// Whether a GPU of compute capability `cc` has native bf16 arithmetic
+/// (Ampere, 8.0, and newer). The backend does not use it yet (see
+/// `Capabilities::cuda`).
+pub fn hardware_bf16(cc: (u32, u32)) -> bool {
+    cc >= (8, 0)
+}
+
+/// [`DeviceFacts`] of device `ordinal`, probed once per process.
+pub fn device_facts(ordinal: u32) -> DeviceFacts {
+    static FACTS: OnceLock<Mutex<HashMap<u32, DeviceFacts>>> = OnceLock::new();
+    let map = FACTS.get_or_init(Mutex::default);
+    let mut map = map.lock().unwrap_or_else(|e| e.into_inner());
+    map.entry(ordinal)
+        .or_insert_with(|| {
+            let probe = probe(ordinal as usize);
+            DeviceFacts {
+                compute_capability: probe
+                    .as_ref()
+                    .map_or(DEFAULT_COMPUTE_CAPABILITY, |i| i.compute_capability),
+                probe,
+            }
+        })
+        .clone()
+}
+
+// ---------------------------------------------------------------------------
+// The device's context, its one stream, and raw device memory
+
+/// A driver call that failed on a device that the probe accepted.
+/// `crate::error` turns it into `Error::Cuda`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CallError {
+    pub op: &'static str,
+    pub reason: String,
+}
+
+impl std::fmt::Display for CallError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.op, self.reason)
+    }
+}
+
+fn call_err(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> CallError {
+    move |e| CallError {
+        op,
+        reason: format!("{e:?}"),
+    }
+}
+
+/// A device's primary context and its one compute stream. Everything the
+/// backend queues goes to this stream, in order, so no event is needed:
+/// cudarc's per-slice event tracking is turned off.
+pub struct Core {
+    pub ordinal: u32,
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+}
+
+/// Why a device could not be started: missing, or a call failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StartError {
+    Missing(Missing),
+    Call(CallError),
+}
+
+/// The [`Core`] of device `ordinal`, started once per process: probe first
+/// (so a missing library is an error, never a loader panic), then the
+/// primary context and one non-blocking stream.
+pub fn core(ordinal: u32) -> std::result::Result<Arc<Core>, StartError> {
+    static CORES: OnceLock<Mutex<HashMap<u32, Arc<Core>>>> = OnceLock::new();
+    let map = CORES.get_or_init(Mutex::default);
+    let mut map = map.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(c) = map.get(&ordinal) {
+        return Ok(c.clone());
+    }
+    probe(ordinal as usize).map_err(StartError::Missing)?;
+    let ctx = CudaContext::new(ordinal as usize)
+        .map_err(|e| StartError::Call(call_err("cuDevicePrimaryCtxRetain")(e)))?;
+    // SAFETY: the backend orders all its work on the one stream below, so
+    // the events cudarc would record per slice are not needed (and it
+    // allocates no CudaSlice: storage is the pool's raw device memory).
+    unsafe { ctx.disable_event_tracking() };
+    let stream = ctx
+        .new_stream()
+        .map_err(|e| StartError::Call(call_err("cuStreamCreate")(e)))?;
+    let core = Arc::new(Core {
+        ordinal,
+        ctx,
+        stream,
+    });
+    map.insert(ordinal, core.clone());
+    Ok(core)
+}
+
+impl Core {
+    fn bind(&self) -> std::result::Result<(), CallError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(call_err("cuCtxSetCurrent"))
+    }
+
+    /// `bytes` of device memory from `cuMemAlloc` (not the driver's async
+    /// pool, so the pool's tracked bytes are what the card holds), zeroed
+    /// by a memset queued on the stream.
+    pub fn alloc_zeroed(&self, bytes: usize) -> std::result::Result<u64, CallError> {
+        self.bind()?;
+        // SAFETY: a plain allocation; the context is current.
+        let ptr = unsafe { drv::malloc_sync(bytes) }.map_err(call_err("cuMemAlloc"))?;
+        self.memset_zero(ptr, bytes)?;
+        Ok(ptr)
+    }
+
+    /// Frees memory from [`Core::alloc_zeroed`] once the stream is idle
+    /// (queued kernels may still use it).
+    pub fn free(&self, ptr: u64) -> std::result::Result<(), CallError> {
+        self.bind()?;
+        self.synchronize()?;
+        // SAFETY: `ptr` came from cuMemAlloc and nothing uses it any more.
+        unsafe { drv::free_sync(ptr) }.map_err(call_err("cuMemFree"))
+    }
+
+    /// Zeroes `bytes` at `ptr`, queued on the stream.
+    pub fn memset_zero(&self, ptr: u64, bytes: usize) -> std::result::Result<(), CallError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: [ptr, ptr + bytes) is device memory the caller owns.
+        unsafe { drv::memset_d8_async(ptr, 0, bytes, self.stream.cu_stream()) }
+            .map_err(call_err("cuMemsetD8Async"))
+    }
+
+    /// Copies `src` to device address `dst`, ordered after the queued work;
+    /// returns when the copy is done (the host slice may go after).
+    pub fn upload<T: Copy>(&self, dst: u64, src: &[T]) -> std::result::Result<(), CallError> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: dst holds at least size_of_val(src) bytes (the caller's
+        // storage); the stream is synchronised before src can go.
+        unsafe { drv::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
+            .map_err(call_err("cuMemcpyHtoDAsync"))?;
+        self.synchronize()
+    }
+
+    /// Copies device address `src` into `dst` after the queued work.
+    pub fn download<T: Copy>(&self, dst: &mut [T], src: u64) -> std::result::Result<(), CallError> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: src holds at least size_of_val(dst) bytes; the stream is
+        // synchronised before dst is read.
+        unsafe { drv::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) }
+            .map_err(call_err("cuMemcpyDtoHAsync"))?;
+        self.synchronize()
+    }
+
+    /// Waits for everything queued on the stream.
+    pub fn synchronize(&self) -> std::result::Result<(), CallError> {
+        self.stream
+            .synchronize()
+            .map_err(call_err("cuStreamSynchronize"))
+    }
 }

@@ -19,6 +19,9 @@ pub mod cuda;
 pub enum Target {
     /// This machine's CPU.
     Cpu,
+    /// CUDA device number `n` (the driver's ordinal).
+    #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+    Cuda(u32),
 }
 
 /// Where a tensor's storage lives.
@@ -31,6 +34,10 @@ pub enum Device {
     /// those of the target, so a step simulated here allocates exactly
     /// what it allocates there (the planner's simulator).
     Meta(Target),
+    /// CUDA device number `n`: storage is device memory (a device address),
+    /// kernels are queued on the device's one compute stream.
+    #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+    Cuda(u32),
 }
 
 impl Device {
@@ -44,6 +51,8 @@ impl Device {
         match self {
             Device::Cpu => Target::Cpu,
             Device::Meta(t) => t,
+            #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+            Device::Cuda(n) => Target::Cuda(n),
         }
     }
 
@@ -51,6 +60,8 @@ impl Device {
     pub fn capabilities(self) -> Capabilities {
         match self.target() {
             Target::Cpu => Capabilities::cpu(),
+            #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+            Target::Cuda(n) => Capabilities::cuda(n),
         }
     }
 
@@ -58,6 +69,8 @@ impl Device {
         match self {
             Device::Cpu => "cpu".into(),
             Device::Meta(t) => format!("meta({})", Device::from(t).name()),
+            #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+            Device::Cuda(n) => format!("cuda:{n}"),
         }
     }
 }
@@ -66,6 +79,8 @@ impl From<Target> for Device {
     fn from(t: Target) -> Device {
         match t {
             Target::Cpu => Device::Cpu,
+            #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+            Target::Cuda(n) => Device::Cuda(n),
         }
     }
 }
@@ -99,11 +114,198 @@ impl Capabilities {
             deterministic: true,
         }
     }
+
+    /// CUDA device `ordinal`, from the probe (asked once per device and
+    /// cached, see [`cuda::device_facts`]); when the probe fails (no GPU
+    /// here: a plan made on a machine without one), the documented default
+    /// device [`cuda::DEFAULT_COMPUTE_CAPABILITY`] stands in.
+    ///
+    /// * `native_bf16` is false on every GPU for now: the CUDA backend runs
+    ///   bf16 convolutions and GEMMs in fp32 on operands pre-rounded to bf16
+    ///   (the same values as a native bf16 product, no speed-up), so the
+    ///   layers must hand it f32 inputs and rounded weights, as on a CPU
+    ///   without AVX512-BF16. Reading bf16 in place needs cuDNN's bf16
+    ///   descriptors (compute capability >= 8.0): see
+    ///   [`cuda::hardware_bf16`].
+    /// * `conv_weight_layout` is `Hwio`, the layout the layers store: the
+    ///   backend transposes the weight into cuDNN's NHWC filter layout
+    ///   (cout, kh, kw, cin) inside the convolution's workspace.
+    /// * `deterministic`: the backend pins deterministic cuDNN algorithms
+    ///   and uses no atomics in its reductions.
+    #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+    pub fn cuda(ordinal: u32) -> Self {
+        let _facts = cuda::device_facts(ordinal);
+        Capabilities {
+            native_bf16: false,
+            conv_weight_layout: ConvWeightLayout::Hwio,
+            deterministic: true,
+        }
+    }
+}
+
+/// Why [`select`] refused a device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SelectError {
+    /// Not a device name; the message names the accepted forms.
+    Usage(String),
+    /// The device is not usable here: `what` names what is missing, `hint`
+    /// how to get it (`crate::error` makes it `Error::CudaUnavailable`).
+    Unavailable { what: String, hint: String },
+}
+
+impl std::fmt::Display for SelectError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SelectError::Usage(m) => write!(f, "{m}"),
+            SelectError::Unavailable { what, hint } => write!(f, "{what}: {hint}"),
+        }
+    }
+}
+
+/// Whether the CUDA backend can run a whole training step in this build.
+/// False until its convolutions, linear layer, BN statistics and loss are
+/// wired (`backend::cuda::ops`); `--device auto` stays on the CPU until
+/// then, and says so.
+pub const CUDA_BACKEND_COMPLETE: bool = false;
+
+/// The device for `--device KIND`: `cpu`, `cuda` (device 0), `cuda:N`, or
+/// `auto` (CUDA device 0 when the probe finds it usable and the backend is
+/// complete, else the CPU). Returns the device and one line saying which
+/// device was chosen and why.
+pub fn select(kind: &str) -> std::result::Result<(Device, String), SelectError> {
+    let kind = kind.trim();
+    match kind {
+        "cpu" => Ok((Device::Cpu, "device: cpu (--device cpu)".into())),
+        "auto" => Ok(select_auto()),
+        _ => {
+            let Some(rest) = kind.strip_prefix("cuda") else {
+                return Err(SelectError::Usage(format!(
+                    "unknown device '{kind}': use cpu, cuda, cuda:N (N a GPU number) or auto"
+                )));
+            };
+            let ordinal = match rest {
+                "" => 0,
+                _ => rest
+                    .strip_prefix(':')
+                    .and_then(|n| n.parse::<u32>().ok())
+                    .ok_or_else(|| {
+                        SelectError::Usage(format!(
+                            "unknown device '{kind}': use cuda:N with N a GPU number, e.g. cuda:0"
+                        ))
+                    })?,
+            };
+            select_cuda(ordinal)
+        }
+    }
+}
+
+#[cfg(any(feature = "cuda", feature = "cuda-12"))]
+fn select_cuda(ordinal: u32) -> std::result::Result<(Device, String), SelectError> {
+    match cuda::probe(ordinal as usize) {
+        Ok(info) => {
+            let mut note = format!("device: {info} (--device cuda:{ordinal})");
+            if !CUDA_BACKEND_COMPLETE {
+                note.push_str(
+                    "; note: the CUDA backend is incomplete in this build (no convolutions yet)",
+                );
+            }
+            Ok((Device::Cuda(ordinal), note))
+        }
+        Err(m) => Err(SelectError::Unavailable {
+            what: m.what,
+            hint: m.hint,
+        }),
+    }
+}
+
+#[cfg(not(any(feature = "cuda", feature = "cuda-12")))]
+fn select_cuda(_ordinal: u32) -> std::result::Result<(Device, String), SelectError> {
+    Err(SelectError::Unavailable {
+        what: "this memfit build has no CUDA support".into(),
+        hint: "rebuild with --features cuda (CUDA 13: Turing and newer GPUs) or --features \
+               cuda-12 (CUDA 12.8: Pascal and Volta too)"
+            .into(),
+    })
+}
+
+#[cfg(any(feature = "cuda", feature = "cuda-12"))]
+fn select_auto() -> (Device, String) {
+    match cuda::probe(0) {
+        Ok(info) if CUDA_BACKEND_COMPLETE => (
+            Device::Cuda(0),
+            format!("device: {info} (auto: a CUDA device works)"),
+        ),
+        Ok(info) => (
+            Device::Cpu,
+            format!(
+                "device: cpu (auto: {info} works, but the CUDA backend is incomplete in this \
+                 build; --device cuda uses it anyway)"
+            ),
+        ),
+        Err(m) => (
+            Device::Cpu,
+            format!("device: cpu (auto: no usable CUDA device: {m})"),
+        ),
+    }
+}
+
+#[cfg(not(any(feature = "cuda", feature = "cuda-12")))]
+fn select_auto() -> (Device, String) {
+    (
+        Device::Cpu,
+        "device: cpu (auto: this build has no CUDA support; rebuild with --features cuda for \
+         NVIDIA GPUs)"
+            .into(),
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn select_parses_and_refuses_with_reasons() {
+        let (d, note) = select("cpu").unwrap();
+        assert_eq!(d, Device::Cpu);
+        assert!(note.contains("cpu"), "{note}");
+        for bad in ["gpu", "cuda:", "cuda:x", "cuda1", ""] {
+            let e = select(bad).unwrap_err();
+            assert!(matches!(e, SelectError::Usage(_)), "{bad}: {e}");
+            assert!(e.to_string().contains("cuda:N"), "{e}");
+        }
+    }
+
+    /// On a machine without a usable GPU (this one, CI): `cuda` is an error
+    /// naming what is missing, `auto` picks the CPU and says why.
+    #[test]
+    fn select_without_a_gpu() {
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        if cuda::probe(0).is_ok() {
+            println!("skipped: a CUDA device is here");
+            return;
+        }
+        let e = select("cuda").unwrap_err();
+        let msg = e.to_string();
+        assert!(matches!(e, SelectError::Unavailable { .. }), "{msg}");
+        if cfg!(any(feature = "cuda", feature = "cuda-12")) {
+            #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+            if !cuda::Library::Driver.is_present() {
+                assert!(msg.contains("libcuda.so.1"), "{msg}");
+                assert!(msg.contains("NVIDIA driver"), "{msg}");
+            }
+        } else {
+            assert!(msg.contains("--features cuda"), "{msg}");
+        }
+        assert!(select("cuda:3").is_err());
+        let (d, note) = select("auto").unwrap();
+        assert_eq!(d, Device::Cpu);
+        assert!(note.starts_with("device: cpu (auto: "), "{note}");
+        if cfg!(any(feature = "cuda", feature = "cuda-12")) {
+            assert!(note.contains("no usable CUDA device"), "{note}");
+        } else {
+            assert!(note.contains("no CUDA support"), "{note}");
+        }
+    }
 
     #[test]
     fn meta_answers_as_its_target() {

@@ -37,8 +37,23 @@ struct Block {
     free: bool,
 }
 
+/// Where an arena's segments come from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) enum Source {
+    /// Host pages (`alloc_zeroed`).
+    #[default]
+    Host,
+    /// Device memory of CUDA device `n` (`cuMemAlloc`, zeroed by a memset
+    /// on the device's stream). The segment's base is the device address.
+    #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+    Cuda(u32),
+}
+
 struct Segment {
+    /// The first byte: a host pointer, or (CUDA) the device address as a
+    /// pointer without provenance, never dereferenced.
     base: NonNull<u8>,
+    source: Source,
     bytes: usize,
     /// Every block of the segment by offset; they tile it without gaps.
     blocks: BTreeMap<usize, Block>,
@@ -56,11 +71,21 @@ impl Segment {
 
 impl Drop for Segment {
     fn drop(&mut self) {
-        // SAFETY: allocated in `Arena::add_segment` with this layout; the
-        // arena drops a segment only when no block of it is in use (or when
-        // the pool itself goes, which outlives every tensor: each holds a
-        // lease on the pool).
-        unsafe { dealloc(self.base.as_ptr(), Segment::layout(self.bytes)) }
+        match self.source {
+            // SAFETY: allocated in `Arena::add_segment` with this layout; the
+            // arena drops a segment only when no block of it is in use (or
+            // when the pool itself goes, which outlives every tensor: each
+            // holds a lease on the pool).
+            Source::Host => unsafe { dealloc(self.base.as_ptr(), Segment::layout(self.bytes)) },
+            #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+            Source::Cuda(n) => {
+                // A drop cannot return an error; a failed free leaks the
+                // segment (the context is torn down at exit anyway).
+                if let Ok(core) = crate::device::cuda::core(n) {
+                    let _ = core.free(self.base.as_ptr().addr() as u64);
+                }
+            }
+        }
     }
 }
 
@@ -70,6 +95,7 @@ unsafe impl Send for Segment {}
 
 #[derive(Default)]
 pub(crate) struct Arena {
+    source: Source,
     segments: Vec<Option<Segment>>,
     /// Free blocks as (bytes, segment, offset): the first entry at or above
     /// a size is the best fit, ties broken by address so runs repeat.
@@ -86,6 +112,14 @@ pub(crate) fn block_size(bytes: usize) -> usize {
 }
 
 impl Arena {
+    /// An arena whose segments come from `source`.
+    pub(crate) fn new(source: Source) -> Self {
+        Arena {
+            source,
+            ..Arena::default()
+        }
+    }
+
     pub(crate) fn reserved(&self) -> usize {
         self.reserved
     }
@@ -106,8 +140,13 @@ impl Arena {
         let seg = self.segments[place.segment]
             .as_ref()
             .expect("a block's segment is alive");
-        // SAFETY: offset + bytes <= segment bytes (blocks tile the segment).
-        unsafe { seg.base.add(place.offset) }
+        match seg.source {
+            // SAFETY: offset + bytes <= segment bytes (blocks tile the segment).
+            Source::Host => unsafe { seg.base.add(place.offset) },
+            // A device address: integer arithmetic, no host pointer.
+            #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+            Source::Cuda(_) => seg.base.map_addr(|a| a.saturating_add(place.offset)),
+        }
     }
 
     /// Best fit for `bytes` (a multiple of BLOCK_ALIGN) among free blocks,
@@ -172,13 +211,29 @@ impl Arena {
         self.free_bytes += bytes;
     }
 
-    /// Asks the system for a zeroed segment of `bytes` (a multiple of
-    /// BLOCK_ALIGN) and makes it one free block.
-    pub(crate) fn add_segment(&mut self, bytes: usize) {
-        let layout = Segment::layout(bytes);
-        // SAFETY: bytes > 0 (every request is at least one block).
-        let ptr = unsafe { alloc_zeroed(layout) };
-        let base = NonNull::new(ptr).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+    /// Asks the source for a zeroed segment of `bytes` (a multiple of
+    /// BLOCK_ALIGN) and makes it one free block. Host memory that runs out
+    /// aborts as any Rust allocation; a device that runs out (or fails) is
+    /// an error (`Error::Cuda`, op `cuMemAlloc`).
+    pub(crate) fn add_segment(&mut self, bytes: usize) -> crate::error::Result<()> {
+        let base = match self.source {
+            Source::Host => {
+                let layout = Segment::layout(bytes);
+                // SAFETY: bytes > 0 (every request is at least one block).
+                let ptr = unsafe { alloc_zeroed(layout) };
+                NonNull::new(ptr).unwrap_or_else(|| std::alloc::handle_alloc_error(layout))
+            }
+            #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+            Source::Cuda(n) => {
+                let addr = crate::device::cuda::core(n)?.alloc_zeroed(bytes)?;
+                NonNull::new(std::ptr::without_provenance_mut::<u8>(addr as usize)).ok_or(
+                    crate::error::Error::Cuda {
+                        op: "cuMemAlloc",
+                        reason: "returned address 0".into(),
+                    },
+                )?
+            }
+        };
         let index = self
             .segments
             .iter()
@@ -191,12 +246,14 @@ impl Arena {
         blocks.insert(0, Block { bytes, free: true });
         self.segments[index] = Some(Segment {
             base,
+            source: self.source,
             bytes,
             blocks,
         });
         self.free.insert((bytes, index, 0));
         self.free_bytes += bytes;
         self.reserved += bytes;
+        Ok(())
     }
 
     /// Returns unused segments to the system, smallest first, until at
@@ -262,7 +319,7 @@ mod tests {
     #[test]
     fn best_fit_splits_and_frees_merge() {
         let mut a = Arena::default();
-        a.add_segment(64 * K);
+        a.add_segment(64 * K).unwrap();
         let x = a.take(16 * K).unwrap();
         let y = a.take(16 * K).unwrap();
         let z = a.take(16 * K).unwrap();
@@ -289,9 +346,9 @@ mod tests {
     #[test]
     fn best_fit_prefers_the_tightest_block() {
         let mut a = Arena::default();
-        a.add_segment(10 * K);
-        a.add_segment(4 * K);
-        a.add_segment(6 * K);
+        a.add_segment(10 * K).unwrap();
+        a.add_segment(4 * K).unwrap();
+        a.add_segment(6 * K).unwrap();
         let p = a.take(5 * K + BLOCK_ALIGN).unwrap();
         assert_eq!(p.bytes, 6 * K, "the remainder is below MIN_SPLIT: kept");
         assert_eq!(a.take(4 * K).unwrap().bytes, 4 * K);
@@ -303,9 +360,9 @@ mod tests {
     #[test]
     fn unused_segments_go_back_smallest_first() {
         let mut a = Arena::default();
-        a.add_segment(8 * K);
-        a.add_segment(2 * K);
-        a.add_segment(4 * K);
+        a.add_segment(8 * K).unwrap();
+        a.add_segment(2 * K).unwrap();
+        a.add_segment(4 * K).unwrap();
         let held = a.take(8 * K).unwrap();
         assert_eq!(a.release_unused(K), 2 * K);
         assert_eq!(a.reserved(), 12 * K);
@@ -328,8 +385,8 @@ mod tests {
             rng
         };
         let mut a = Arena::default();
-        a.add_segment(256 * K);
-        a.add_segment(64 * K);
+        a.add_segment(256 * K).unwrap();
+        a.add_segment(64 * K).unwrap();
         let mut held: Vec<Place> = Vec::new();
         for _ in 0..3000 {
             if next() % 3 != 0 || held.is_empty() {

@@ -110,10 +110,10 @@ struct PoolState {
 impl PoolState {
     /// A block of at least `bytes` (a block size): from the arena's free
     /// blocks, else from a new segment.
-    fn take_block(&mut self, bytes: usize) -> arena::Place {
+    fn take_block(&mut self, bytes: usize) -> Result<arena::Place> {
         if let Some(place) = self.arena.take(bytes) {
             self.reuses += 1;
-            return place;
+            return Ok(place);
         }
         let segment = match self.budget {
             None => bytes.max(SEGMENT_BYTES),
@@ -140,13 +140,14 @@ impl PoolState {
                 }
             }
         };
+        self.arena.add_segment(segment)?;
         self.system_allocs += 1;
         self.system_alloc_bytes += segment;
-        self.arena.add_segment(segment);
         self.reserved_peak = self.reserved_peak.max(self.arena.reserved());
-        self.arena
+        Ok(self
+            .arena
             .take(bytes)
-            .expect("a new segment holds the request")
+            .expect("a new segment holds the request"))
     }
 
     /// Live buffers as (tag, category, bytes), largest first.
@@ -196,9 +197,22 @@ impl Pool {
     }
 
     /// A pool whose storage lives on `device`.
+    ///
+    /// A pool on a CUDA device takes its segments from device memory
+    /// (`cuMemAlloc`, started on first use: a missing driver is an error at
+    /// the first allocation, never a panic).
     pub fn on(device: Device) -> Self {
+        let source = match device {
+            #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+            Device::Cuda(n) => arena::Source::Cuda(n),
+            _ => arena::Source::Host,
+        };
+        let state = PoolState {
+            arena: Arena::new(source),
+            ..PoolState::default()
+        };
         Pool {
-            state: Arc::default(),
+            state: Arc::new(Mutex::new(state)),
             device,
         }
     }
@@ -332,13 +346,27 @@ impl Pool {
             });
         }
         let mut t = self.allocate(shape, DType::F32, category, tag, false)?;
-        // The pool sits under the backends: it fills host storage itself,
-        // and a device's segment source will upload (the CUDA issue).
+        // The pool sits under the backends: it fills host storage itself
+        // and uploads to a device through the device's stream.
         match self.device {
             Device::Cpu => t.f32_mut().copy_from_slice(values),
             Device::Meta(_) => {}
+            #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+            Device::Cuda(n) => crate::device::cuda::core(n)?.upload(t.device_address(), values)?,
         }
         Ok(t)
+    }
+
+    /// Zeroes fresh storage: host bytes, or a memset on the device's stream.
+    #[inline]
+    fn zero(&self, st: &mut Storage) -> Result<()> {
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        if let Device::Cuda(n) = self.device {
+            let core = crate::device::cuda::core(n)?;
+            return Ok(core.memset_zero(st.device_address(), st.len() * st.dtype().unit_bytes())?);
+        }
+        st.fill_zero();
+        Ok(())
     }
 
     fn allocate(
@@ -367,10 +395,10 @@ impl Pool {
         let storage = if len == 0 {
             Storage::empty(dtype)
         } else {
-            let place = s.take_block(block_size(bytes));
+            let place = s.take_block(block_size(bytes))?;
             let mut st = Storage::in_block(s.arena.address(place), dtype, len, place);
             if zero {
-                st.fill_zero();
+                self.zero(&mut st)?;
             }
             st
         };

@@ -163,7 +163,9 @@ impl Lease {
 }
 
 /// Backing storage: a block of pool memory holding `len` units of one
-/// element type. Blocks are typeless bytes in the pool's arena (see
+/// element type. On a device (CUDA) `ptr` is the block's device address,
+/// never dereferenced on the host: [`Tensor`]'s views refuse device
+/// storage. Blocks are typeless bytes in the pool's arena (see
 /// `memory::arena`); the storage owns its block exclusively until the tensor
 /// holding it hands it back.
 #[derive(Debug)]
@@ -203,6 +205,16 @@ impl Storage {
             dtype,
             len: 0,
             place: None,
+        }
+    }
+
+    /// The block's device address (for device storage; see the type's doc).
+    #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+    pub(crate) fn device_address(&self) -> u64 {
+        if self.place.is_none() {
+            0
+        } else {
+            self.ptr.as_ptr().addr() as u64
         }
     }
 
@@ -358,14 +370,48 @@ impl Tensor {
         }
     }
 
+    // A host view of device storage is a bug in the engine too: the
+    // backend reads device tensors by address ([`Tensor::device_address`])
+    // and the layers above it never read slices. On builds without a
+    // device backend this check compiles to nothing.
+    #[inline]
+    fn check_host(&self) {
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        if let Device::Cuda(n) = self.device() {
+            panic!(
+                "engine bug: {} lives on cuda:{n}; a host view of device storage was asked \
+                 (copy it with backend::copy_to_host)",
+                self.tag()
+            );
+        }
+    }
+
     fn view<T: Unit>(&self) -> &[T] {
         self.check_unit::<T>();
+        self.check_host();
         self.storage().slice()
     }
 
     fn view_mut<T: Unit>(&mut self) -> &mut [T] {
         self.check_unit::<T>();
+        self.check_host();
         self.storage_mut().slice_mut()
+    }
+
+    /// The device address of this tensor's storage (0 when it holds no
+    /// bytes). For the CUDA backend; the address is never dereferenced on
+    /// the host.
+    #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+    pub(crate) fn device_address(&self) -> u64 {
+        self.storage().device_address()
+    }
+
+    /// Bytes of storage units this tensor holds (its length in units times
+    /// the unit size), as the kernels see it.
+    #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+    pub(crate) fn storage_bytes(&self) -> usize {
+        let s = self.storage();
+        s.len * s.dtype.unit_bytes()
     }
 
     pub fn f32(&self) -> &[f32] {
@@ -400,7 +446,19 @@ impl Tensor {
         self.view_mut()
     }
 
+    /// Zeroes every element (on a CUDA device: a memset queued on its
+    /// stream; a failure there is an engine bug and panics, like a host
+    /// view would).
     pub fn fill_zero(&mut self) {
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        if let Device::Cuda(n) = self.device() {
+            let (addr, bytes) = (self.device_address(), self.storage_bytes());
+            crate::device::cuda::core(n)
+                .map_err(|e| format!("{e:?}"))
+                .and_then(|c| c.memset_zero(addr, bytes).map_err(|e| e.to_string()))
+                .unwrap_or_else(|e| panic!("engine bug: zeroing {} on cuda:{n}: {e}", self.tag()));
+            return;
+        }
         self.storage_mut().fill_zero();
     }
 }

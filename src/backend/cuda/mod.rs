@@ -5,15 +5,19 @@
 //! boundary asks for is one of the small kernels under `kernels/`, one
 //! `.cu` file per op family, each kernel mirroring a CPU kernel in
 //! `crate::ops` (or the CPU backend's glue) and saying which, and where its
-//! numerics differ. Nothing here launches a kernel yet: this module only
-//! holds the sources and compiles them (a test compiles every source for
-//! `compute_75` and `compute_90` in CI, on machines without a GPU).
+//! numerics differ. This module holds the sources and compiles them (a test
+//! compiles every source for `compute_75` and `compute_90` in CI, on
+//! machines without a GPU); `state` caches the compiled modules per device
+//! and `ops` launches them (never run on a GPU yet: see `ops`).
 //!
 //! Numerics: the sources are compiled with `--fmad=false` (no contraction
 //! of `a * b + c` into one fused multiply-add, which Rust does not do
 //! either), IEEE division and square root, and no flush-to-zero, so the
 //! elementwise kernels give the CPU's bits and the reductions differ only
 //! where their comments say.
+
+pub mod ops;
+pub mod state;
 
 use cudarc::nvrtc::{CompileError, CompileOptions, Ptx, compile_ptx_with_opts};
 

@@ -1,0 +1,72 @@
+//! Planning for a CUDA device on a machine that may have none: the meta
+//! device standing for `Target::Cuda(0)` answers capabilities and workspace
+//! sizes (from the probe, or from the documented default when the probe
+//! fails), and the simulator runs a whole step on it. Runs here, on the CPU.
+
+#![cfg(any(feature = "cuda", feature = "cuda-12"))]
+
+mod common;
+
+use memfit::device::cuda::{DEFAULT_COMPUTE_CAPABILITY, device_facts};
+use memfit::device::{Capabilities, Device, Target};
+use memfit::exec::Plan;
+use memfit::memory::Category;
+use memfit::nn::{BlockKind, BnPolicy};
+use memfit::optim::{Optimizer, Sgd};
+use memfit::plan::simulate;
+
+fn sgd() -> Optimizer {
+    Optimizer::Sgd(Sgd::new(0.1, 0.9, 5e-4, false))
+}
+
+#[test]
+fn meta_for_cuda_answers_without_a_gpu() {
+    let meta = Device::Meta(Target::Cuda(0));
+    assert!(!meta.computes());
+    assert_eq!(meta.name(), "meta(cuda:0)");
+    assert_eq!(meta.target(), Target::Cuda(0));
+    assert_eq!(meta.capabilities(), Capabilities::cuda(0));
+    let facts = device_facts(0);
+    println!("{}", facts.source());
+    if facts.probe.is_err() {
+        assert_eq!(facts.compute_capability, DEFAULT_COMPUTE_CAPABILITY);
+        assert!(facts.source().contains("documented default"));
+        assert!(facts.source().contains("9.0"));
+    }
+    let caps = meta.capabilities();
+    assert!(caps.deterministic);
+    assert!(
+        !caps.native_bf16,
+        "the backend runs bf16 as pre-rounded fp32"
+    );
+}
+
+#[test]
+fn the_simulator_plans_a_step_for_a_gpu() {
+    let mut cpu = common::tiny_config(BlockKind::Basic, [1, 1, 1, 1], 8, 10);
+    let mut gpu = cpu.clone();
+    gpu.target = Target::Cuda(0);
+    cpu.target = Target::Cpu;
+    let (micro, size) = (4, 32);
+    let stages = {
+        let pool = memfit::memory::Pool::shapes_only();
+        memfit::nn::ResNet::new(&pool, cpu.clone())
+            .unwrap()
+            .stages
+            .len()
+    };
+    let plan = Plan::keep_all_len(stages);
+    let on_gpu = simulate(&gpu, BnPolicy::Batch, &sgd(), &plan, micro, size).unwrap();
+    let on_cpu = simulate(&cpu, BnPolicy::Batch, &sgd(), &plan, micro, size).unwrap();
+    // Same parameters, gradients and optimizer state; the workspaces are
+    // the GPU's (cuDNN's, at least the documented default per convolution).
+    for c in [Category::Params, Category::Grads, Category::Optimizer] {
+        assert_eq!(on_gpu.peak.get(c), on_cpu.peak.get(c), "{c:?}");
+    }
+    let ws = on_gpu.peak.get(Category::Workspace);
+    assert!(
+        ws >= memfit::backend::cuda::ops::CUDNN_DEFAULT_WORKSPACE,
+        "workspace peak {ws}"
+    );
+    assert!(on_gpu.peak_total > 0);
+}
