@@ -516,7 +516,25 @@ pub(super) fn unscale(t: &mut Tensor, inv: f32) -> bool {
 }
 
 pub(super) fn all_finite(t: &Tensor) -> bool {
-    t.f32().iter().all(|g| g.is_finite())
+    // Every step's NaN guard reads all gradients (100 MB for ResNet-50):
+    // chunks on all threads, each a branch-free sum of x - x, which is +0
+    // for a finite x and NaN for inf or NaN, over independent lanes so it
+    // vectorises (an early-exit `all(is_finite)` does not).
+    t.f32().par_chunks(1 << 16).all(chunk_is_finite)
+}
+
+/// Whether every value of `c` is finite (see [`all_finite`]).
+fn chunk_is_finite(c: &[f32]) -> bool {
+    const LANES: usize = 16;
+    let mut acc = [0.0f32; LANES];
+    let mut blocks = c.chunks_exact(LANES);
+    for b in &mut blocks {
+        for (a, &x) in acc.iter_mut().zip(b) {
+            *a += x - x;
+        }
+    }
+    let tail: f32 = blocks.remainder().iter().map(|&x| x - x).sum();
+    acc.iter().sum::<f32>() + tail == 0.0
 }
 
 pub(super) fn copy_from_host(t: &mut Tensor, values: &[f32]) {
@@ -529,4 +547,26 @@ pub(super) fn copy_to_host(t: &Tensor) -> Vec<f32> {
 
 pub(super) fn copy(dst: &mut Tensor, src: &Tensor) {
     dst.f32_mut().copy_from_slice(src.f32());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::chunk_is_finite;
+
+    #[test]
+    fn the_finiteness_check_finds_every_non_finite_value_wherever_it_is() {
+        for len in [0, 1, 15, 16, 17, 100] {
+            let v: Vec<f32> = (0..len).map(|i| (i as f32 - 50.0) * 1e36).collect();
+            assert!(chunk_is_finite(&v), "len {len}");
+            for bad in [f32::INFINITY, f32::NEG_INFINITY, f32::NAN] {
+                for at in 0..len {
+                    let mut w = v.clone();
+                    w[at] = bad;
+                    assert!(!chunk_is_finite(&w), "{bad} at {at} of {len}");
+                }
+            }
+        }
+        // Large finite values never sum to inf: x - x is 0 for each.
+        assert!(chunk_is_finite(&[f32::MAX; 40]));
+    }
 }
