@@ -215,10 +215,11 @@ fn saved_bytes_are_exact_per_stage() {
         let predicted = model.saved_bytes_per_stage(n, h, w);
         let (mut x, _) = common::batch(&pool, 3, n, h, w, 10);
         let mut kept = Vec::new();
+        let ctx = model.ctx(&pool);
         for (i, stage) in model.stages.iter_mut().enumerate() {
             let before = pool.live_bytes();
             let input_bytes = x.bytes();
-            let (y, saved) = stage.forward(&pool, x, Mode::Train).unwrap();
+            let (y, saved) = stage.forward(&ctx, x, Mode::Train).unwrap();
             let saved = saved.unwrap();
             assert_eq!(saved.bytes(), predicted[i], "{} saved bytes", stage.name());
             // The input moved into `saved` (or was freed, for the head).

@@ -6,7 +6,7 @@ use memfit::device::cpu::GemmMath;
 use memfit::exec::{LossOptions, Plan, forward_backward};
 use memfit::io::{TensorFile, load_state_dict, nchw_to_nhwc, nhwc_to_nchw};
 use memfit::memory::{Category, Pool, Tag};
-use memfit::nn::{BatchNorm, BlockKind, Mode, ResNet, ResNetConfig, StateSlot, StemKind};
+use memfit::nn::{BatchNorm, BlockKind, Ctx, Mode, ResNet, ResNetConfig, StateSlot, StemKind};
 use memfit::ops::conv2d::{
     ConvGeom, ConvInput, conv2d_backward, conv2d_forward, hwio_to_oihw, oihw_to_hwio,
 };
@@ -126,7 +126,9 @@ fn batchnorm_train_and_eval_match_pytorch() {
     let xt = pool
         .from_f32(&[n, h, w, c], &x, Category::Data, Tag::fixed("x"))
         .unwrap();
-    let (y, stats) = bn.forward(&pool, &xt, false, Mode::Train, "y").unwrap();
+    let (y, stats) = bn
+        .forward(&Ctx::new(&pool), &xt, false, Mode::Train, "y")
+        .unwrap();
     check("bn y", y.f32(), &nchw(&f, "y").0, 1e-5, 1e-5);
     check(
         "running_mean",
@@ -150,7 +152,9 @@ fn batchnorm_train_and_eval_match_pytorch() {
     let dyt = pool
         .from_f32(&[n, h, w, c], &dy, Category::Data, Tag::fixed("dy"))
         .unwrap();
-    let dx = bn.backward(&pool, &dyt, &xt, &stats, None).unwrap();
+    let dx = bn
+        .backward(&Ctx::new(&pool), &dyt, &xt, &stats, None)
+        .unwrap();
     check("bn dx", dx.f32(), &nchw(&f, "dx").0, 1e-5, 1e-5);
     check(
         "bn dweight",
@@ -170,13 +174,17 @@ fn batchnorm_train_and_eval_match_pytorch() {
     // Eval with the updated running statistics.
     bn.weight.grad.fill_zero();
     bn.bias.grad.fill_zero();
-    let (y, stats) = bn.forward(&pool, &xt, false, Mode::Eval, "y").unwrap();
+    let (y, stats) = bn
+        .forward(&Ctx::new(&pool), &xt, false, Mode::Eval, "y")
+        .unwrap();
     assert_eq!(
         bn.num_batches_tracked, 4,
         "eval must not advance the counter"
     );
     check("bn y_eval", y.f32(), &nchw(&f, "y_eval").0, 1e-5, 1e-5);
-    let dx = bn.backward(&pool, &dyt, &xt, &stats, None).unwrap();
+    let dx = bn
+        .backward(&Ctx::new(&pool), &dyt, &xt, &stats, None)
+        .unwrap();
     check("bn dx_eval", dx.f32(), &nchw(&f, "dx_eval").0, 1e-5, 1e-5);
     check(
         "bn dweight_eval",

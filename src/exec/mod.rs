@@ -175,6 +175,7 @@ pub fn forward_backward(
             got: labels.len().to_string(),
         });
     }
+    let ctx = model.ctx(pool);
     let mut tape: Vec<Tape> = Vec::with_capacity(plan.segments.len());
     let mut x = images;
     for seg in &plan.segments {
@@ -182,7 +183,7 @@ pub fn forward_backward(
         if seg.recompute {
             let mut checkpoint = None;
             for stage in stages.iter_mut() {
-                let (y, s) = stage.forward(pool, x, Mode::Train)?;
+                let (y, s) = stage.forward(&ctx, x, Mode::Train)?;
                 let s = saved_or_err(s)?;
                 if checkpoint.is_none() {
                     checkpoint = Some(s.into_input().ok_or_else(|| {
@@ -195,7 +196,7 @@ pub fn forward_backward(
         } else {
             let mut kept = Vec::with_capacity(stages.len());
             for stage in stages.iter_mut() {
-                let (y, s) = stage.forward(pool, x, Mode::Train)?;
+                let (y, s) = stage.forward(&ctx, x, Mode::Train)?;
                 kept.push(saved_or_err(s)?);
                 x = y;
             }
@@ -229,7 +230,7 @@ pub fn forward_backward(
                 let mut saved = Vec::with_capacity(stages.len());
                 let mut x = input;
                 for stage in stages.iter_mut() {
-                    let (y, s) = stage.forward(pool, x, Mode::Recompute)?;
+                    let (y, s) = stage.forward(&ctx, x, Mode::Recompute)?;
                     saved.push(saved_or_err(s)?);
                     x = y;
                 }
@@ -244,7 +245,7 @@ pub fn forward_backward(
             let grad_out = d
                 .take()
                 .ok_or_else(|| Error::invalid("exec", "gradient missing"))?;
-            d = stage.backward(pool, s, grad_out)?;
+            d = stage.backward(&ctx, s, grad_out)?;
         }
     }
     Ok(StepOutput { loss, correct })
@@ -253,9 +254,10 @@ pub fn forward_backward(
 /// Evaluation forward: running BN statistics, nothing saved. Returns the
 /// logits (n, classes).
 pub fn forward_eval(model: &mut ResNet, pool: &Pool, images: Tensor) -> Result<Tensor> {
+    let ctx = model.ctx(pool);
     let mut x = images;
     for stage in model.stages.iter_mut() {
-        x = stage.forward(pool, x, Mode::Eval)?.0;
+        x = stage.forward(&ctx, x, Mode::Eval)?.0;
     }
     Ok(x)
 }

@@ -10,33 +10,33 @@ use crate::backend;
 use crate::error::Result;
 use crate::memory::{Category, Pool, Tag};
 use crate::nn::precision::{View, bf16_or_f32_view, f32_view, store};
-use crate::nn::{BatchNorm, BnStats, Conv, Mode, Precision};
+use crate::nn::{BatchNorm, BnStats, Conv, Ctx, Mode, Precision};
 use crate::tensor::{DType, Tensor};
 
 /// What a block keeps of a BN+ReLU output for its backward: the tensor
 /// (stored in the activation precision), or nothing when the plan
 /// recomputes it from the BN input and statistics, which are kept anyway.
-fn keep_bn_relu(pool: &Pool, a: Tensor, p: Precision, recompute: bool) -> Result<Option<Tensor>> {
+fn keep_bn_relu(ctx: &Ctx<'_>, a: Tensor, p: Precision, recompute: bool) -> Result<Option<Tensor>> {
     if recompute {
         return Ok(None);
     }
-    store(pool, a, p).map(Some)
+    store(ctx, a, p).map(Some)
 }
 
 /// The BN+ReLU output a backward needs: the kept tensor (read in place
 /// when f32 or bf16), or `relu(bn(y))` recomputed in f32 with the
 /// forward's statistics.
 fn bn_relu_view<'a>(
-    pool: &Pool,
+    ctx: &Ctx<'_>,
     kept: &'a Option<Tensor>,
     bn: &BatchNorm,
     y: &Tensor,
     stats: &BnStats,
 ) -> Result<View<'a>> {
     match kept {
-        Some(a) => bf16_or_f32_view(pool, a),
+        Some(a) => bf16_or_f32_view(ctx, a),
         None => Ok(View::Owned(bn.apply(
-            pool,
+            ctx,
             y,
             stats,
             true,
@@ -48,11 +48,11 @@ fn bn_relu_view<'a>(
 /// The block input as its readers take it: `None` when the convolutions
 /// read `x` in place (f32, or bf16 with the native bf16 GEMM; the residual
 /// add reads either), else an f32 copy.
-fn block_input<'a>(pool: &Pool, x: &'a Tensor, conv: &Conv) -> Result<Option<View<'a>>> {
-    if conv.reads_in_place(x) {
+fn block_input<'a>(ctx: &Ctx<'_>, x: &'a Tensor, conv: &Conv) -> Result<Option<View<'a>>> {
+    if conv.reads_in_place(x, ctx.precision) {
         return Ok(None);
     }
-    f32_view(pool, x).map(Some)
+    f32_view(ctx, x).map(Some)
 }
 
 /// The 1×1 conv + BN on the residual path of a shape-changing block.
@@ -94,44 +94,44 @@ impl Downsample {
     /// place); `sp` the precision to store in.
     fn forward(
         &mut self,
-        pool: &Pool,
+        ctx: &Ctx<'_>,
         x: &Tensor,
         mode: Mode,
         sp: Precision,
     ) -> Result<(Tensor, DownsampleSaved)> {
-        let y = self.conv.forward(pool, x, "y")?;
+        let y = self.conv.forward(ctx, x, "y")?;
         let (out, bn, y) = self
             .bn
-            .forward_storing_input(pool, y, false, mode, "out", sp)?;
+            .forward_storing_input(ctx, y, false, mode, "out", sp)?;
         Ok((out, DownsampleSaved { y, bn }))
     }
 
     fn backward(
         &mut self,
-        pool: &Pool,
+        ctx: &Ctx<'_>,
         s: DownsampleSaved,
         d_out: &Tensor,
         x: &Tensor,
         dx: &mut Tensor,
     ) -> Result<()> {
-        let y = bf16_or_f32_view(pool, &s.y)?;
-        let d_y = self.bn.backward(pool, d_out, &y, &s.bn, None)?;
+        let y = bf16_or_f32_view(ctx, &s.y)?;
+        let d_y = self.bn.backward(ctx, d_out, &y, &s.bn, None)?;
         drop(y);
         drop(s);
-        self.conv.backward(pool, &d_y, x, Some(dx))
+        self.conv.backward(ctx, &d_y, x, Some(dx))
     }
 }
 
 /// Adds the block output `z` to its residual and applies the final ReLU in
 /// place, returning the mask (one bit per element) the backward needs.
 fn join_residual(
-    pool: &Pool,
+    ctx: &Ctx<'_>,
     name: &Arc<str>,
     z: &mut Tensor,
     residual: &Tensor,
     p: Precision,
 ) -> Result<Tensor> {
-    let mut mask = pool.empty(
+    let mut mask = ctx.empty(
         &[z.numel()],
         DType::Bits,
         Category::Activations,
@@ -148,7 +148,7 @@ fn join_residual(
 /// what the downsample's backward needs).
 #[allow(clippy::too_many_arguments)]
 fn finish_block(
-    pool: &Pool,
+    ctx: &Ctx<'_>,
     name: &Arc<str>,
     downsample: Option<&mut Downsample>,
     mut z: Tensor,
@@ -161,23 +161,20 @@ fn finish_block(
     let xv = x_copy.as_deref().unwrap_or(x);
     let (mask, down) = match downsample {
         Some(ds) => {
-            let (identity, saved) = ds.forward(pool, xv, mode, sp)?;
-            (
-                join_residual(pool, name, &mut z, &identity, p)?,
-                Some(saved),
-            )
+            let (identity, saved) = ds.forward(ctx, xv, mode, sp)?;
+            (join_residual(ctx, name, &mut z, &identity, p)?, Some(saved))
         }
-        None => (join_residual(pool, name, &mut z, xv, p)?, None),
+        None => (join_residual(ctx, name, &mut z, xv, p)?, None),
     };
     drop(x_copy);
-    Ok((store(pool, z, p)?, mask, down))
+    Ok((store(ctx, z, p)?, mask, down))
 }
 
 /// The residual gradient of a block: `d_z` through the downsample when
 /// there is one, else added as is; then `d_x` is rounded as a low-type
 /// gradient would be.
 fn join_residual_backward(
-    pool: &Pool,
+    ctx: &Ctx<'_>,
     down: Option<(&mut Downsample, DownsampleSaved)>,
     d_z: &Tensor,
     x: &Tensor,
@@ -186,12 +183,9 @@ fn join_residual_backward(
 ) -> Result<()> {
     match down {
         Some((ds, saved)) => {
-            ds.backward(pool, saved, d_z, x, d_x)?;
-            // The downsample's dgrad left d_x rounded when it runs in `p`,
-            // and rounding again would change nothing.
-            if ds.conv.precision != p {
-                backend::round(d_x, p)?;
-            }
+            // The downsample's dgrad leaves d_x rounded to `p` (it runs in
+            // the step's precision), so no rounding pass follows.
+            ds.backward(ctx, saved, d_z, x, d_x)?;
         }
         None => backend::add_assign(d_x, d_z, p)?,
     }
@@ -206,8 +200,6 @@ pub struct BasicBlock {
     pub conv2: Conv,
     pub bn2: BatchNorm,
     pub downsample: Option<Downsample>,
-    /// Storage type of what the backward needs (and of the output).
-    pub precision: Precision,
     /// Recompute relu(bn1(y1)) in backward instead of keeping it.
     pub recompute_bn_relu: bool,
 }
@@ -276,7 +268,6 @@ impl BasicBlock {
             conv2: Conv::new(pool, rng, &format!("{name}.conv2"), planes, planes, 3, 1, 1)?,
             bn2: BatchNorm::new(pool, &format!("{name}.bn2"), planes, zero_init_last_bn)?,
             downsample,
-            precision: Precision::F32,
             recompute_bn_relu: false,
         })
     }
@@ -290,27 +281,27 @@ impl BasicBlock {
     /// the block's precision.
     pub fn forward(
         &mut self,
-        pool: &Pool,
+        ctx: &Ctx<'_>,
         x: Tensor,
         mode: Mode,
     ) -> Result<(Tensor, Option<BasicSaved>)> {
-        let p = self.precision;
+        let p = ctx.precision;
         // Eval keeps nothing past the block, so converting would be waste.
         let sp = if mode.saves() { p } else { Precision::F32 };
-        let x_copy = block_input(pool, &x, &self.conv1)?;
+        let x_copy = block_input(ctx, &x, &self.conv1)?;
         let y1 = self
             .conv1
-            .forward(pool, x_copy.as_deref().unwrap_or(&x), "y")?;
+            .forward(ctx, x_copy.as_deref().unwrap_or(&x), "y")?;
         let (a1, bn1, y1) = self
             .bn1
-            .forward_storing_input(pool, y1, true, mode, "a", sp)?;
-        let y2 = self.conv2.forward(pool, &a1, "y")?;
-        let a1 = keep_bn_relu(pool, a1, sp, self.recompute_bn_relu)?;
+            .forward_storing_input(ctx, y1, true, mode, "a", sp)?;
+        let y2 = self.conv2.forward(ctx, &a1, "y")?;
+        let a1 = keep_bn_relu(ctx, a1, sp, self.recompute_bn_relu)?;
         let (z, bn2, y2) = self
             .bn2
-            .forward_storing_input(pool, y2, false, mode, "out", sp)?;
+            .forward_storing_input(ctx, y2, false, mode, "out", sp)?;
         let (z, mask, down) = finish_block(
-            pool,
+            ctx,
             &self.name,
             self.downsample.as_mut(),
             z,
@@ -322,7 +313,7 @@ impl BasicBlock {
         )?;
         let saved = if mode.saves() {
             Some(BasicSaved {
-                x: store(pool, x, sp)?,
+                x: store(ctx, x, sp)?,
                 y1,
                 bn1,
                 a1,
@@ -337,34 +328,34 @@ impl BasicBlock {
         Ok((z, saved))
     }
 
-    pub fn backward(&mut self, pool: &Pool, s: BasicSaved, mut d_out: Tensor) -> Result<Tensor> {
-        let p = self.precision;
+    pub fn backward(&mut self, ctx: &Ctx<'_>, s: BasicSaved, mut d_out: Tensor) -> Result<Tensor> {
+        let p = ctx.precision;
         backend::relu_mask_backward_inplace(&mut d_out, &s.mask)?;
         let d_z = d_out;
-        let y2 = bf16_or_f32_view(pool, &s.y2)?;
-        let d_y2 = self.bn2.backward(pool, &d_z, &y2, &s.bn2, None)?;
+        let y2 = bf16_or_f32_view(ctx, &s.y2)?;
+        let d_y2 = self.bn2.backward(ctx, &d_z, &y2, &s.bn2, None)?;
         drop(y2);
         drop((s.y2, s.bn2));
-        let y1 = bf16_or_f32_view(pool, &s.y1)?;
-        let a1 = bn_relu_view(pool, &s.a1, &self.bn1, &y1, &s.bn1)?;
-        let mut d_a1 = Conv::zeros_like(pool, &a1, Tag::new(&self.name, "d_a1"))?;
-        self.conv2.backward(pool, &d_y2, &a1, Some(&mut d_a1))?;
+        let y1 = bf16_or_f32_view(ctx, &s.y1)?;
+        let a1 = bn_relu_view(ctx, &s.a1, &self.bn1, &y1, &s.bn1)?;
+        let mut d_a1 = Conv::zeros_like(ctx, &a1, Tag::new(&self.name, "d_a1"))?;
+        self.conv2.backward(ctx, &d_y2, &a1, Some(&mut d_a1))?;
         drop(d_y2);
-        let d_y1 = self.bn1.backward(pool, &d_a1, &y1, &s.bn1, Some(&a1))?;
+        let d_y1 = self.bn1.backward(ctx, &d_a1, &y1, &s.bn1, Some(&a1))?;
         drop((d_a1, a1, y1));
         drop((s.a1, s.y1, s.bn1));
-        let x_copy = block_input(pool, &s.x, &self.conv1)?;
+        let x_copy = block_input(ctx, &s.x, &self.conv1)?;
         let x = x_copy.as_deref().unwrap_or(&s.x);
-        let mut d_x = Conv::zeros_like(pool, x, Tag::new(&self.name, "dx"))?;
-        self.conv1.backward(pool, &d_y1, x, Some(&mut d_x))?;
+        let mut d_x = Conv::zeros_like(ctx, x, Tag::new(&self.name, "dx"))?;
+        self.conv1.backward(ctx, &d_y1, x, Some(&mut d_x))?;
         drop(d_y1);
         let down = self.downsample.as_mut().zip(s.down);
-        join_residual_backward(pool, down, &d_z, x, &mut d_x, p)?;
+        join_residual_backward(ctx, down, &d_z, x, &mut d_x, p)?;
         Ok(d_x)
     }
 
-    pub fn saved_bytes(&self, n: usize, h: usize, w: usize) -> usize {
-        let e = self.precision.bytes();
+    pub fn saved_bytes(&self, n: usize, h: usize, w: usize, p: Precision) -> usize {
+        let e = p.bytes();
         let g1 = self.conv1.geom(n, h, w);
         let out = g1.output_len(); // every inner tensor has the output's size
         let inner = if self.recompute_bn_relu { 2 } else { 3 };
@@ -387,8 +378,6 @@ pub struct Bottleneck {
     pub conv3: Conv,
     pub bn3: BatchNorm,
     pub downsample: Option<Downsample>,
-    /// Storage type of what the backward needs (and of the output).
-    pub precision: Precision,
     /// Recompute relu(bn1(y1)) and relu(bn2(y2)) in backward instead of
     /// keeping them.
     pub recompute_bn_relu: bool,
@@ -468,7 +457,6 @@ impl Bottleneck {
             conv3: Conv::new(pool, rng, &format!("{name}.conv3"), planes, cout, 1, 1, 0)?,
             bn3: BatchNorm::new(pool, &format!("{name}.bn3"), cout, zero_init_last_bn)?,
             downsample,
-            precision: Precision::F32,
             recompute_bn_relu: false,
         })
     }
@@ -482,33 +470,33 @@ impl Bottleneck {
     /// the block's precision.
     pub fn forward(
         &mut self,
-        pool: &Pool,
+        ctx: &Ctx<'_>,
         x: Tensor,
         mode: Mode,
     ) -> Result<(Tensor, Option<BottleneckSaved>)> {
-        let p = self.precision;
+        let p = ctx.precision;
         // Eval keeps nothing past the block, so converting would be waste.
         let sp = if mode.saves() { p } else { Precision::F32 };
         let cheap = self.recompute_bn_relu;
-        let x_copy = block_input(pool, &x, &self.conv1)?;
+        let x_copy = block_input(ctx, &x, &self.conv1)?;
         let y1 = self
             .conv1
-            .forward(pool, x_copy.as_deref().unwrap_or(&x), "y")?;
+            .forward(ctx, x_copy.as_deref().unwrap_or(&x), "y")?;
         let (a1, bn1, y1) = self
             .bn1
-            .forward_storing_input(pool, y1, true, mode, "a", sp)?;
-        let y2 = self.conv2.forward(pool, &a1, "y")?;
-        let a1 = keep_bn_relu(pool, a1, sp, cheap)?;
+            .forward_storing_input(ctx, y1, true, mode, "a", sp)?;
+        let y2 = self.conv2.forward(ctx, &a1, "y")?;
+        let a1 = keep_bn_relu(ctx, a1, sp, cheap)?;
         let (a2, bn2, y2) = self
             .bn2
-            .forward_storing_input(pool, y2, true, mode, "a", sp)?;
-        let y3 = self.conv3.forward(pool, &a2, "y")?;
-        let a2 = keep_bn_relu(pool, a2, sp, cheap)?;
+            .forward_storing_input(ctx, y2, true, mode, "a", sp)?;
+        let y3 = self.conv3.forward(ctx, &a2, "y")?;
+        let a2 = keep_bn_relu(ctx, a2, sp, cheap)?;
         let (z, bn3, y3) = self
             .bn3
-            .forward_storing_input(pool, y3, false, mode, "out", sp)?;
+            .forward_storing_input(ctx, y3, false, mode, "out", sp)?;
         let (z, mask, down) = finish_block(
-            pool,
+            ctx,
             &self.name,
             self.downsample.as_mut(),
             z,
@@ -520,7 +508,7 @@ impl Bottleneck {
         )?;
         let saved = if mode.saves() {
             Some(BottleneckSaved {
-                x: store(pool, x, sp)?,
+                x: store(ctx, x, sp)?,
                 y1,
                 bn1,
                 a1,
@@ -540,45 +528,45 @@ impl Bottleneck {
 
     pub fn backward(
         &mut self,
-        pool: &Pool,
+        ctx: &Ctx<'_>,
         s: BottleneckSaved,
         mut d_out: Tensor,
     ) -> Result<Tensor> {
-        let p = self.precision;
+        let p = ctx.precision;
         backend::relu_mask_backward_inplace(&mut d_out, &s.mask)?;
         let d_z = d_out;
-        let y3 = bf16_or_f32_view(pool, &s.y3)?;
-        let d_y3 = self.bn3.backward(pool, &d_z, &y3, &s.bn3, None)?;
+        let y3 = bf16_or_f32_view(ctx, &s.y3)?;
+        let d_y3 = self.bn3.backward(ctx, &d_z, &y3, &s.bn3, None)?;
         drop(y3);
         drop((s.y3, s.bn3));
-        let y2 = bf16_or_f32_view(pool, &s.y2)?;
-        let a2 = bn_relu_view(pool, &s.a2, &self.bn2, &y2, &s.bn2)?;
-        let mut d_a2 = Conv::zeros_like(pool, &a2, Tag::new(&self.name, "d_a2"))?;
-        self.conv3.backward(pool, &d_y3, &a2, Some(&mut d_a2))?;
+        let y2 = bf16_or_f32_view(ctx, &s.y2)?;
+        let a2 = bn_relu_view(ctx, &s.a2, &self.bn2, &y2, &s.bn2)?;
+        let mut d_a2 = Conv::zeros_like(ctx, &a2, Tag::new(&self.name, "d_a2"))?;
+        self.conv3.backward(ctx, &d_y3, &a2, Some(&mut d_a2))?;
         drop(d_y3);
-        let d_y2 = self.bn2.backward(pool, &d_a2, &y2, &s.bn2, Some(&a2))?;
+        let d_y2 = self.bn2.backward(ctx, &d_a2, &y2, &s.bn2, Some(&a2))?;
         drop((d_a2, a2, y2));
         drop((s.a2, s.y2, s.bn2));
-        let y1 = bf16_or_f32_view(pool, &s.y1)?;
-        let a1 = bn_relu_view(pool, &s.a1, &self.bn1, &y1, &s.bn1)?;
-        let mut d_a1 = Conv::zeros_like(pool, &a1, Tag::new(&self.name, "d_a1"))?;
-        self.conv2.backward(pool, &d_y2, &a1, Some(&mut d_a1))?;
+        let y1 = bf16_or_f32_view(ctx, &s.y1)?;
+        let a1 = bn_relu_view(ctx, &s.a1, &self.bn1, &y1, &s.bn1)?;
+        let mut d_a1 = Conv::zeros_like(ctx, &a1, Tag::new(&self.name, "d_a1"))?;
+        self.conv2.backward(ctx, &d_y2, &a1, Some(&mut d_a1))?;
         drop(d_y2);
-        let d_y1 = self.bn1.backward(pool, &d_a1, &y1, &s.bn1, Some(&a1))?;
+        let d_y1 = self.bn1.backward(ctx, &d_a1, &y1, &s.bn1, Some(&a1))?;
         drop((d_a1, a1, y1));
         drop((s.a1, s.y1, s.bn1));
-        let x_copy = block_input(pool, &s.x, &self.conv1)?;
+        let x_copy = block_input(ctx, &s.x, &self.conv1)?;
         let x = x_copy.as_deref().unwrap_or(&s.x);
-        let mut d_x = Conv::zeros_like(pool, x, Tag::new(&self.name, "dx"))?;
-        self.conv1.backward(pool, &d_y1, x, Some(&mut d_x))?;
+        let mut d_x = Conv::zeros_like(ctx, x, Tag::new(&self.name, "dx"))?;
+        self.conv1.backward(ctx, &d_y1, x, Some(&mut d_x))?;
         drop(d_y1);
         let down = self.downsample.as_mut().zip(s.down);
-        join_residual_backward(pool, down, &d_z, x, &mut d_x, p)?;
+        join_residual_backward(ctx, down, &d_z, x, &mut d_x, p)?;
         Ok(d_x)
     }
 
-    pub fn saved_bytes(&self, n: usize, h: usize, w: usize) -> usize {
-        let e = self.precision.bytes();
+    pub fn saved_bytes(&self, n: usize, h: usize, w: usize, p: Precision) -> usize {
+        let e = p.bytes();
         let g1 = self.conv1.geom(n, h, w);
         let g2 = self.conv2.geom(n, h, w);
         let out = g2.rows() * self.conv3.cout;

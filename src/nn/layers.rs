@@ -1,5 +1,5 @@
 //! Parameterised layers used by the stages: they own their weights and
-//! allocate their outputs and workspaces from the pool; the math is in `ops`.
+//! allocate their outputs and workspaces from the ctx; the math is in `ops`.
 
 use std::sync::Arc;
 
@@ -9,7 +9,7 @@ use crate::backend::{self, ConvPass};
 use crate::error::Result;
 use crate::memory::{Category, Pool, Tag};
 use crate::nn::precision::{View, f32_view, rounded_weight, store};
-use crate::nn::{BnPolicy, Mode, Param, Precision, normal, uniform};
+use crate::nn::{BnPolicy, Ctx, Mode, Param, Precision, normal, uniform};
 use crate::ops::conv2d::ConvGeom;
 use crate::tensor::{DType, Tensor};
 
@@ -22,8 +22,6 @@ pub struct Conv {
     pub k: usize,
     pub stride: usize,
     pub pad: usize,
-    /// Operands are rounded to this type; the output and dx too.
-    pub precision: Precision,
 }
 
 impl Conv {
@@ -49,7 +47,6 @@ impl Conv {
             k,
             stride,
             pad,
-            precision: Precision::F32,
         })
     }
 
@@ -69,11 +66,11 @@ impl Conv {
 
     /// Whether the kernels read `x` as it is stored: f32, or bf16 with the
     /// native bf16 GEMM (rows of whole words: even `cin`).
-    pub fn reads_in_place(&self, x: &Tensor) -> bool {
+    pub fn reads_in_place(&self, x: &Tensor, p: Precision) -> bool {
         match x.dtype() {
             DType::F32 => true,
             DType::BF16 => {
-                self.precision == Precision::BF16
+                p == Precision::BF16
                     && backend::capabilities(x).native_bf16
                     && self.cin.is_multiple_of(2)
             }
@@ -82,11 +79,11 @@ impl Conv {
     }
 
     /// An f32 copy of `x` when the kernels cannot read it in place.
-    fn input_copy<'a>(&self, pool: &Pool, x: &'a Tensor) -> Result<Option<View<'a>>> {
-        if self.reads_in_place(x) {
+    fn input_copy<'a>(&self, ctx: &Ctx<'_>, x: &'a Tensor) -> Result<Option<View<'a>>> {
+        if self.reads_in_place(x, ctx.precision) {
             return Ok(None);
         }
-        f32_view(pool, x).map(Some)
+        f32_view(ctx, x).map(Some)
     }
 
     /// The kernels' view of `x`: its copy, or `x` itself.
@@ -96,29 +93,29 @@ impl Conv {
 
     /// `x` is f32 or stored in bf16 (under mixed precision its values are
     /// rounded to the low type either way).
-    pub fn forward(&self, pool: &Pool, x: &Tensor, field: &'static str) -> Result<Tensor> {
+    pub fn forward(&self, ctx: &Ctx<'_>, x: &Tensor, field: &'static str) -> Result<Tensor> {
         let (n, h, w, _) = x.shape().nhwc();
         let g = self.geom(n, h, w);
         g.validate()?;
-        let x_copy = self.input_copy(pool, x)?;
-        let mut y = pool.empty_f32(
+        let x_copy = self.input_copy(ctx, x)?;
+        let mut y = ctx.empty_f32(
             &[n, g.oh(), g.ow(), self.cout],
             Category::Activations,
             Tag::new(&self.name, field),
         )?;
-        let w_low = self.gemm_weight(pool)?;
-        let mut ws = self.workspace(pool, &g, ConvPass::Forward)?;
+        let w_low = self.gemm_weight(ctx)?;
+        let mut ws = self.workspace(ctx, &g, ConvPass::Forward)?;
         backend::conv2d_forward(
             &mut y,
             Self::input(x, &x_copy),
             w_low.as_ref().unwrap_or(&self.weight.value),
             &g,
             &mut ws,
-            self.precision,
+            ctx.precision,
         )?;
         // A bf16 convolution returns its output rounded already.
-        if self.precision != Precision::BF16 {
-            backend::round(&mut y, self.precision)?;
+        if ctx.precision != Precision::BF16 {
+            backend::round(&mut y, ctx.precision)?;
         }
         Ok(y)
     }
@@ -127,16 +124,16 @@ impl Conv {
     /// when given.
     pub fn backward(
         &mut self,
-        pool: &Pool,
+        ctx: &Ctx<'_>,
         dy: &Tensor,
         x: &Tensor,
         dx: Option<&mut Tensor>,
     ) -> Result<()> {
         let (n, h, w, _) = x.shape().nhwc();
         let g = self.geom(n, h, w);
-        let x_copy = self.input_copy(pool, x)?;
-        let w_low = self.gemm_weight(pool)?;
-        let mut ws = self.workspace(pool, &g, ConvPass::Backward)?;
+        let x_copy = self.input_copy(ctx, x)?;
+        let w_low = self.gemm_weight(ctx)?;
+        let mut ws = self.workspace(ctx, &g, ConvPass::Backward)?;
         let mut dx = dx;
         backend::conv2d_backward(
             dx.as_deref_mut(),
@@ -146,19 +143,19 @@ impl Conv {
             w_low.as_ref().unwrap_or(&self.weight.value),
             &g,
             &mut ws,
-            self.precision,
+            ctx.precision,
         )?;
         // A bf16 convolution returns dx rounded already.
-        if let Some(dx) = dx.filter(|_| self.precision != Precision::BF16) {
-            backend::round(dx, self.precision)?;
+        if let Some(dx) = dx.filter(|_| ctx.precision != Precision::BF16) {
+            backend::round(dx, ctx.precision)?;
         }
         Ok(())
     }
 
-    /// The workspace the device asks for this convolution, from the pool.
-    fn workspace(&self, pool: &Pool, g: &ConvGeom, pass: ConvPass) -> Result<Tensor> {
-        let (dtype, len) = backend::conv2d_workspace(pool.device(), g, pass);
-        pool.empty(
+    /// The workspace the device asks for this convolution, from the ctx.
+    fn workspace(&self, ctx: &Ctx<'_>, g: &ConvGeom, pass: ConvPass) -> Result<Tensor> {
+        let (dtype, len) = backend::conv2d_workspace(ctx.device(), g, pass);
+        ctx.empty(
             &[len],
             dtype,
             Category::Workspace,
@@ -169,17 +166,17 @@ impl Conv {
     /// The weight as the GEMM needs it: a copy rounded to the layer's
     /// precision, or `None` to use the weight itself (fp32, and bf16 with the
     /// native GEMM, which rounds while packing exactly as a copy would be).
-    fn gemm_weight(&self, pool: &Pool) -> Result<Option<Tensor>> {
-        if self
+    fn gemm_weight(&self, ctx: &Ctx<'_>) -> Result<Option<Tensor>> {
+        if ctx
             .precision
-            .gemm_rounds_operands(pool.device().capabilities())
+            .gemm_rounds_operands(ctx.device().capabilities())
         {
             return Ok(None);
         }
         rounded_weight(
-            pool,
+            ctx,
             &self.weight.value,
-            self.precision,
+            ctx.precision,
             Tag::new(&self.name, "weight_low"),
         )
     }
@@ -215,9 +212,6 @@ pub struct BatchNorm {
     pub c: usize,
     pub eps: f32,
     pub momentum: f32,
-    pub policy: BnPolicy,
-    /// The output and dx are rounded to this type; statistics stay f32.
-    pub precision: Precision,
 }
 
 impl BatchNorm {
@@ -243,8 +237,6 @@ impl BatchNorm {
             c,
             eps: 1e-5,
             momentum: 0.1,
-            policy: BnPolicy::Batch,
-            precision: Precision::F32,
         })
     }
 
@@ -258,13 +250,13 @@ impl BatchNorm {
     /// ones.
     pub fn forward(
         &mut self,
-        pool: &Pool,
+        ctx: &Ctx<'_>,
         x: &Tensor,
         relu: bool,
         mode: Mode,
         field: &'static str,
     ) -> Result<(Tensor, BnStats)> {
-        self.forward_as(pool, x, relu, mode, field, false)
+        self.forward_as(ctx, x, relu, mode, field, false)
     }
 
     /// BN+ReLU whose output feeds a convolution of the same precision:
@@ -274,19 +266,19 @@ impl BatchNorm {
     /// the bits `store` would give the f32 output.
     pub fn forward_relu_for_conv(
         &mut self,
-        pool: &Pool,
+        ctx: &Ctx<'_>,
         x: &Tensor,
         mode: Mode,
         field: &'static str,
     ) -> Result<(Tensor, BnStats)> {
-        let low = self.relu_out_in_bf16();
-        self.forward_as(pool, x, true, mode, field, low)
+        let low = self.relu_out_in_bf16(ctx.precision);
+        self.forward_as(ctx, x, true, mode, field, low)
     }
 
     /// Whether a BN+ReLU feeding a convolution writes bf16
     /// ([`BatchNorm::forward_relu_for_conv`]).
-    fn relu_out_in_bf16(&self) -> bool {
-        self.precision == Precision::BF16
+    fn relu_out_in_bf16(&self, p: Precision) -> bool {
+        p == Precision::BF16
             && self.running_mean.device().capabilities().native_bf16
             && self.c.is_multiple_of(2)
     }
@@ -299,7 +291,7 @@ impl BatchNorm {
     #[allow(clippy::too_many_arguments)]
     pub fn forward_storing_input(
         &mut self,
-        pool: &Pool,
+        ctx: &Ctx<'_>,
         x: Tensor,
         relu_for_conv: bool,
         mode: Mode,
@@ -308,22 +300,22 @@ impl BatchNorm {
     ) -> Result<(Tensor, BnStats, Tensor)> {
         if sp != Precision::BF16 || x.dtype() != DType::F32 {
             let (y, stats) = if relu_for_conv {
-                self.forward_relu_for_conv(pool, &x, mode, field)?
+                self.forward_relu_for_conv(ctx, &x, mode, field)?
             } else {
-                self.forward(pool, &x, false, mode, field)?
+                self.forward(ctx, &x, false, mode, field)?
             };
-            return Ok((y, stats, store(pool, x, sp)?));
+            return Ok((y, stats, store(ctx, x, sp)?));
         }
-        let bf16_out = relu_for_conv && self.relu_out_in_bf16();
-        let stats = self.stats(pool, &x, mode)?;
+        let bf16_out = relu_for_conv && self.relu_out_in_bf16(ctx.precision);
+        let stats = self.stats(ctx, &x, mode)?;
         let tag = Tag::new(&self.name, field);
         let mut y = if bf16_out {
-            pool.empty(x.dims(), DType::BF16, Category::Activations, tag)?
+            ctx.empty(x.dims(), DType::BF16, Category::Activations, tag)?
         } else {
-            pool.empty_f32(x.dims(), Category::Activations, tag)?
+            ctx.empty_f32(x.dims(), Category::Activations, tag)?
         };
         let (x_tag, x_category) = x.meta();
-        let mut x_low = pool.empty(x.dims(), DType::BF16, x_category, x_tag)?;
+        let mut x_low = ctx.empty(x.dims(), DType::BF16, x_category, x_tag)?;
         backend::bn_forward_keep_x(
             &mut y,
             &mut x_low,
@@ -333,41 +325,41 @@ impl BatchNorm {
             &self.weight.value,
             &self.bias.value,
             relu_for_conv,
-            self.precision,
+            ctx.precision,
         )?;
         Ok((y, stats, x_low))
     }
 
     fn forward_as(
         &mut self,
-        pool: &Pool,
+        ctx: &Ctx<'_>,
         x: &Tensor,
         relu: bool,
         mode: Mode,
         field: &'static str,
         bf16_out: bool,
     ) -> Result<(Tensor, BnStats)> {
-        let stats = self.stats(pool, x, mode)?;
+        let stats = self.stats(ctx, x, mode)?;
         let tag = |f| Tag::new(&self.name, f);
         let y = if bf16_out {
-            self.apply_bf16(pool, x, &stats, relu, tag(field))?
+            self.apply_bf16(ctx, x, &stats, relu, tag(field))?
         } else {
-            self.apply(pool, x, &stats, relu, tag(field))?
+            self.apply(ctx, x, &stats, relu, tag(field))?
         };
         Ok((y, stats))
     }
 
     /// The statistics a forward normalises with (batch ones advance the
     /// running statistics in `Train`).
-    fn stats(&mut self, pool: &Pool, x: &Tensor, mode: Mode) -> Result<BnStats> {
+    fn stats(&mut self, ctx: &Ctx<'_>, x: &Tensor, mode: Mode) -> Result<BnStats> {
         let c = self.c;
         let rows = x.numel() / c;
         let tag = |f| Tag::new(&self.name, f);
-        let mut mean = pool.empty_f32(&[c], Category::Activations, tag("mean"))?;
-        let mut rstd = pool.empty_f32(&[c], Category::Activations, tag("rstd"))?;
-        let from_batch = mode != Mode::Eval && self.policy == BnPolicy::Batch;
+        let mut mean = ctx.empty_f32(&[c], Category::Activations, tag("mean"))?;
+        let mut rstd = ctx.empty_f32(&[c], Category::Activations, tag("rstd"))?;
+        let from_batch = mode != Mode::Eval && ctx.bn == BnPolicy::Batch;
         if from_batch {
-            let mut var = pool.empty_f32(&[c], Category::Workspace, tag("var"))?;
+            let mut var = ctx.empty_f32(&[c], Category::Workspace, tag("var"))?;
             backend::bn_batch_stats(&mut mean, &mut var, &mut rstd, x, self.eps)?;
             if mode == Mode::Train {
                 backend::bn_update_running(
@@ -400,14 +392,14 @@ impl BatchNorm {
     /// as a bf16 BN output is).
     fn apply_bf16(
         &self,
-        pool: &Pool,
+        ctx: &Ctx<'_>,
         x: &Tensor,
         stats: &BnStats,
         relu: bool,
         tag: Tag,
     ) -> Result<Tensor> {
-        let mut y = pool.empty(x.dims(), DType::BF16, Category::Activations, tag)?;
-        self.normalise(&mut y, x, stats, relu)?;
+        let mut y = ctx.empty(x.dims(), DType::BF16, Category::Activations, tag)?;
+        self.normalise(ctx.precision, &mut y, x, stats, relu)?;
         Ok(y)
     }
 
@@ -418,20 +410,27 @@ impl BatchNorm {
     /// bf16, read in place.
     pub fn apply(
         &self,
-        pool: &Pool,
+        ctx: &Ctx<'_>,
         x: &Tensor,
         stats: &BnStats,
         relu: bool,
         tag: Tag,
     ) -> Result<Tensor> {
-        let mut y = pool.empty_f32(x.dims(), Category::Activations, tag)?;
-        self.normalise(&mut y, x, stats, relu)?;
+        let mut y = ctx.empty_f32(x.dims(), Category::Activations, tag)?;
+        self.normalise(ctx.precision, &mut y, x, stats, relu)?;
         Ok(y)
     }
 
     /// `y` (f32 rounded to the layer's precision, or bf16) = BN(x) with
     /// `stats`, then ReLU when `relu`.
-    fn normalise(&self, y: &mut Tensor, x: &Tensor, stats: &BnStats, relu: bool) -> Result<()> {
+    fn normalise(
+        &self,
+        p: Precision,
+        y: &mut Tensor,
+        x: &Tensor,
+        stats: &BnStats,
+        relu: bool,
+    ) -> Result<()> {
         backend::bn_forward(
             y,
             x,
@@ -440,7 +439,7 @@ impl BatchNorm {
             &self.weight.value,
             &self.bias.value,
             relu,
-            self.precision,
+            p,
         )
     }
 
@@ -448,14 +447,14 @@ impl BatchNorm {
     /// `relu_out` are f32 or bf16, read in place.
     pub fn backward(
         &mut self,
-        pool: &Pool,
+        ctx: &Ctx<'_>,
         dy: &Tensor,
         x: &Tensor,
         stats: &BnStats,
         relu_out: Option<&Tensor>,
     ) -> Result<Tensor> {
-        let mut dx = pool.empty_f32(x.dims(), Category::Activations, Tag::new(&self.name, "dx"))?;
-        let frozen = self.policy == BnPolicy::Frozen;
+        let mut dx = ctx.empty_f32(x.dims(), Category::Activations, Tag::new(&self.name, "dx"))?;
+        let frozen = ctx.bn == BnPolicy::Frozen;
         let (dgamma, dbeta) = if frozen {
             (None, None)
         } else {
@@ -472,7 +471,7 @@ impl BatchNorm {
             &self.weight.value,
             relu_out,
             stats.from_batch,
-            self.precision,
+            ctx.precision,
         )?;
         Ok(dx)
     }
@@ -485,8 +484,6 @@ pub struct Linear {
     pub bias: Param,
     pub fin: usize,
     pub fout: usize,
-    /// Operands are rounded to this type; the output and dx too.
-    pub precision: Precision,
 }
 
 impl Linear {
@@ -508,21 +505,20 @@ impl Linear {
             bias: Param::new(pool, &format!("{name}.bias"), &[fout], &b)?,
             fin,
             fout,
-            precision: Precision::F32,
         })
     }
 
-    pub fn forward(&self, pool: &Pool, x: &Tensor) -> Result<Tensor> {
+    pub fn forward(&self, ctx: &Ctx<'_>, x: &Tensor) -> Result<Tensor> {
         let n = x.dims()[0];
-        let mut y = pool.empty_f32(
+        let mut y = ctx.empty_f32(
             &[n, self.fout],
             Category::Activations,
             Tag::new(&self.name, "y"),
         )?;
         let w_low = rounded_weight(
-            pool,
+            ctx,
             &self.weight.value,
-            self.precision,
+            ctx.precision,
             Tag::new(&self.name, "weight_low"),
         )?;
         backend::linear_forward(
@@ -530,17 +526,17 @@ impl Linear {
             x,
             w_low.as_ref().unwrap_or(&self.weight.value),
             &self.bias.value,
-            self.precision,
+            ctx.precision,
         )?;
         Ok(y)
     }
 
-    pub fn backward(&mut self, pool: &Pool, dy: &Tensor, x: &Tensor) -> Result<Tensor> {
-        let mut dx = pool.empty_f32(x.dims(), Category::Activations, Tag::new(&self.name, "dx"))?;
+    pub fn backward(&mut self, ctx: &Ctx<'_>, dy: &Tensor, x: &Tensor) -> Result<Tensor> {
+        let mut dx = ctx.empty_f32(x.dims(), Category::Activations, Tag::new(&self.name, "dx"))?;
         let w_low = rounded_weight(
-            pool,
+            ctx,
             &self.weight.value,
-            self.precision,
+            ctx.precision,
             Tag::new(&self.name, "weight_low"),
         )?;
         backend::linear_backward(
@@ -550,7 +546,7 @@ impl Linear {
             dy,
             x,
             w_low.as_ref().unwrap_or(&self.weight.value),
-            self.precision,
+            ctx.precision,
         )?;
         Ok(dx)
     }

@@ -47,6 +47,39 @@ impl Mode {
     }
 }
 
+/// What every layer of a step needs to know besides its own weights: the
+/// pool its tensors come from, the precision of activations and how batch
+/// norm behaves. Built once per step from the model ([`ResNet::ctx`]) and
+/// passed down, instead of a copy of the precision and BN policy in every
+/// stage and layer. Dereferences to the pool, so `ctx.empty_f32(…)` and
+/// helpers taking `&Pool` accept it as is.
+#[derive(Clone, Copy)]
+pub struct Ctx<'a> {
+    pub pool: &'a Pool,
+    /// Compute and storage type of activations.
+    pub precision: Precision,
+    /// How batch norm layers behave in training.
+    pub bn: BnPolicy,
+}
+
+impl<'a> Ctx<'a> {
+    /// fp32 with batch statistics: PyTorch's defaults.
+    pub fn new(pool: &'a Pool) -> Self {
+        Ctx {
+            pool,
+            precision: Precision::F32,
+            bn: BnPolicy::Batch,
+        }
+    }
+}
+
+impl std::ops::Deref for Ctx<'_> {
+    type Target = Pool;
+    fn deref(&self) -> &Pool {
+        self.pool
+    }
+}
+
 /// How batch norm layers behave in training.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum BnPolicy {

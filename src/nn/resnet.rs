@@ -7,7 +7,7 @@ use crate::device::Target;
 use crate::error::{Error, Result};
 use crate::memory::Pool;
 use crate::nn::{
-    BasicBlock, BasicSaved, BatchNorm, BnPolicy, Bottleneck, BottleneckSaved, Conv, Head,
+    BasicBlock, BasicSaved, BatchNorm, BnPolicy, Bottleneck, BottleneckSaved, Conv, Ctx, Head,
     HeadSaved, Linear, Mode, Param, Precision, Stem, StemKind, StemSaved,
 };
 use crate::tensor::Tensor;
@@ -164,25 +164,25 @@ impl Stage {
 
     pub fn forward(
         &mut self,
-        pool: &Pool,
+        ctx: &Ctx<'_>,
         x: Tensor,
         mode: Mode,
     ) -> Result<(Tensor, Option<Saved>)> {
         Ok(match self {
             Stage::Stem(s) => {
-                let (y, saved) = s.forward(pool, x, mode)?;
+                let (y, saved) = s.forward(ctx, x, mode)?;
                 (y, saved.map(Saved::Stem))
             }
             Stage::Basic(b) => {
-                let (y, saved) = b.forward(pool, x, mode)?;
+                let (y, saved) = b.forward(ctx, x, mode)?;
                 (y, saved.map(Saved::Basic))
             }
             Stage::Bottleneck(b) => {
-                let (y, saved) = b.forward(pool, x, mode)?;
+                let (y, saved) = b.forward(ctx, x, mode)?;
                 (y, saved.map(Saved::Bottleneck))
             }
             Stage::Head(hd) => {
-                let (y, saved) = hd.forward(pool, x, mode)?;
+                let (y, saved) = hd.forward(ctx, x, mode)?;
                 (y, saved.map(Saved::Head))
             }
         })
@@ -190,12 +190,17 @@ impl Stage {
 
     /// Consumes `saved`; returns the input gradient (none for the stem,
     /// whose input is the images).
-    pub fn backward(&mut self, pool: &Pool, saved: Saved, d_out: Tensor) -> Result<Option<Tensor>> {
+    pub fn backward(
+        &mut self,
+        ctx: &Ctx<'_>,
+        saved: Saved,
+        d_out: Tensor,
+    ) -> Result<Option<Tensor>> {
         match (self, saved) {
-            (Stage::Stem(s), Saved::Stem(sv)) => s.backward(pool, sv, d_out).map(|()| None),
-            (Stage::Basic(b), Saved::Basic(sv)) => b.backward(pool, sv, d_out).map(Some),
-            (Stage::Bottleneck(b), Saved::Bottleneck(sv)) => b.backward(pool, sv, d_out).map(Some),
-            (Stage::Head(hd), Saved::Head(sv)) => hd.backward(pool, sv, d_out).map(Some),
+            (Stage::Stem(s), Saved::Stem(sv)) => s.backward(ctx, sv, d_out).map(|()| None),
+            (Stage::Basic(b), Saved::Basic(sv)) => b.backward(ctx, sv, d_out).map(Some),
+            (Stage::Bottleneck(b), Saved::Bottleneck(sv)) => b.backward(ctx, sv, d_out).map(Some),
+            (Stage::Head(hd), Saved::Head(sv)) => hd.backward(ctx, sv, d_out).map(Some),
             (stage, _) => Err(Error::invalid(
                 "backward",
                 format!("saved state does not belong to stage {}", stage.name()),
@@ -231,13 +236,14 @@ impl Stage {
         }
     }
 
-    /// Exact bytes a training forward of a batch of n (h, w) inputs keeps.
-    pub fn saved_bytes(&self, n: usize, h: usize, w: usize) -> usize {
+    /// Exact bytes a training forward of a batch of n (h, w) inputs keeps
+    /// with activations in precision `p`.
+    pub fn saved_bytes(&self, n: usize, h: usize, w: usize, p: Precision) -> usize {
         match self {
-            Stage::Stem(s) => s.saved_bytes(n, h, w),
-            Stage::Basic(b) => b.saved_bytes(n, h, w),
-            Stage::Bottleneck(b) => b.saved_bytes(n, h, w),
-            Stage::Head(hd) => hd.saved_bytes(n),
+            Stage::Stem(s) => s.saved_bytes(n, h, w, p),
+            Stage::Basic(b) => b.saved_bytes(n, h, w, p),
+            Stage::Bottleneck(b) => b.saved_bytes(n, h, w, p),
+            Stage::Head(hd) => hd.saved_bytes(n, p),
         }
     }
 
@@ -248,7 +254,6 @@ impl Stage {
         match self {
             Stage::Stem(s) => {
                 v(LayerMut::Stage {
-                    precision: &mut s.precision,
                     recompute_bn_relu: Some(&mut s.recompute_bn_relu),
                 });
                 v(LayerMut::Conv(&mut s.conv1));
@@ -256,7 +261,6 @@ impl Stage {
             }
             Stage::Basic(b) => {
                 v(LayerMut::Stage {
-                    precision: &mut b.precision,
                     recompute_bn_relu: Some(&mut b.recompute_bn_relu),
                 });
                 v(LayerMut::Conv(&mut b.conv1));
@@ -270,7 +274,6 @@ impl Stage {
             }
             Stage::Bottleneck(b) => {
                 v(LayerMut::Stage {
-                    precision: &mut b.precision,
                     recompute_bn_relu: Some(&mut b.recompute_bn_relu),
                 });
                 v(LayerMut::Conv(&mut b.conv1));
@@ -286,7 +289,6 @@ impl Stage {
             }
             Stage::Head(hd) => {
                 v(LayerMut::Stage {
-                    precision: &mut hd.precision,
                     recompute_bn_relu: None,
                 });
                 v(LayerMut::Linear(&mut hd.fc));
@@ -299,7 +301,6 @@ impl Stage {
 pub enum LayerMut<'a> {
     /// The stage's own settings (the head recomputes nothing).
     Stage {
-        precision: &'a mut Precision,
         recompute_bn_relu: Option<&'a mut bool>,
     },
     Conv(&'a mut Conv),
@@ -429,6 +430,8 @@ impl StateSlot<'_> {
 pub struct ResNet {
     pub config: ResNetConfig,
     pub stages: Vec<Stage>,
+    /// How batch norm layers behave in training ([`ResNet::set_bn_policy`]).
+    pub bn_policy: BnPolicy,
 }
 
 impl ResNet {
@@ -481,9 +484,12 @@ impl ResNet {
             cin,
             config.num_classes,
         )?));
-        let (precision, bn_relu) = (config.precision, config.recompute_bn_relu);
-        let mut model = ResNet { config, stages };
-        model.set_precision(precision);
+        let bn_relu = config.recompute_bn_relu;
+        let mut model = ResNet {
+            config,
+            stages,
+            bn_policy: BnPolicy::Batch,
+        };
         model.set_recompute_bn_relu(bn_relu);
         Ok(model)
     }
@@ -521,9 +527,9 @@ impl ResNet {
     }
 
     pub fn set_bn_policy(&mut self, policy: BnPolicy) {
+        self.bn_policy = policy;
         self.walk_layers(|layer| {
             if let LayerMut::BatchNorm(b) = layer {
-                b.policy = policy;
                 b.weight.frozen = policy == BnPolicy::Frozen;
                 b.bias.frozen = policy == BnPolicy::Frozen;
             }
@@ -531,14 +537,19 @@ impl ResNet {
     }
 
     /// Compute and storage type of activations (see [`Precision`]).
+    /// Layers read it from the step's [`Ctx`] ([`ResNet::ctx`]).
     pub fn set_precision(&mut self, p: Precision) {
         self.config.precision = p;
-        self.walk_layers(|layer| match layer {
-            LayerMut::Stage { precision, .. } => *precision = p,
-            LayerMut::Conv(c) => c.precision = p,
-            LayerMut::BatchNorm(b) => b.precision = p,
-            LayerMut::Linear(l) => l.precision = p,
-        });
+    }
+
+    /// What the layers of a step on `pool` need: the pool, the precision
+    /// and the BN policy (one copy, passed down, instead of one per layer).
+    pub fn ctx<'a>(&self, pool: &'a Pool) -> Ctx<'a> {
+        Ctx {
+            pool,
+            precision: self.config.precision,
+            bn: self.bn_policy,
+        }
     }
 
     pub fn precision(&self) -> Precision {
@@ -579,7 +590,7 @@ impl ResNet {
         self.stages
             .iter()
             .zip(&ins)
-            .map(|(s, &(sh, sw, _))| s.saved_bytes(n, sh, sw))
+            .map(|(s, &(sh, sw, _))| s.saved_bytes(n, sh, sw, self.config.precision))
             .collect()
     }
 

@@ -1,5 +1,5 @@
 //! The stem, in two kinds: torchvision's ImageNet stem (conv 7×7 stride 2 →
-//! BN → ReLU → max pool 3×3 stride 2, a quarter of the input side) and the
+//! BN → ReLU → max ctx 3×3 stride 2, a quarter of the input side) and the
 //! small-image (CIFAR-style) stem (conv 3×3 stride 1 → BN → ReLU, full
 //! resolution), which keeps 28×28 or 32×32 inputs large enough for layer4.
 //! Both name their parameters `conv1` and `bn1`, as torchvision does.
@@ -10,19 +10,19 @@ use crate::backend;
 use crate::error::{Error, Result};
 use crate::memory::{Category, Pool, Tag};
 use crate::nn::precision::{bf16_or_f32_view, f32_view, store};
-use crate::nn::{BatchNorm, BnStats, Conv, Mode, Precision};
+use crate::nn::{BatchNorm, BnStats, Conv, Ctx, Mode, Precision};
 use crate::ops::maxpool::PoolGeom;
 use crate::tensor::{DType, Tensor};
 
 /// Which stem the network starts with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum StemKind {
-    /// torchvision: conv 7×7 stride 2 pad 3 → BN → ReLU → max pool 3×3
+    /// torchvision: conv 7×7 stride 2 pad 3 → BN → ReLU → max ctx 3×3
     /// stride 2 pad 1.
     #[default]
     ImageNet,
     /// Small images (CIFAR-style, as timm and kuangliu/pytorch-cifar use):
-    /// conv 3×3 stride 1 pad 1 → BN → ReLU, no max pool.
+    /// conv 3×3 stride 1 pad 1 → BN → ReLU, no max ctx.
     Small,
 }
 
@@ -47,7 +47,7 @@ impl StemKind {
         }
     }
 
-    /// Whether the 3×3 stride 2 max pool follows the ReLU.
+    /// Whether the 3×3 stride 2 max ctx follows the ReLU.
     pub fn has_maxpool(self) -> bool {
         self == StemKind::ImageNet
     }
@@ -57,17 +57,14 @@ pub struct Stem {
     pub kind: StemKind,
     pub conv1: Conv,
     pub bn1: BatchNorm,
-    /// Storage type of what the backward needs (and of the output); the
-    /// images are rounded to it, as autocast casts a convolution's input.
-    pub precision: Precision,
-    /// Recompute relu(bn1(y)) (the max pool's input) in backward instead of
+    /// Recompute relu(bn1(y)) (the max ctx's input) in backward instead of
     /// keeping it.
     pub recompute_bn_relu: bool,
 }
 
 /// What follows conv1 and BN in the saved state, by stem kind.
 enum StemTail {
-    /// (n, h', w', c) ReLU output: BN's ReLU mask and the max pool's input
+    /// (n, h', w', c) ReLU output: BN's ReLU mask and the max ctx's input
     /// (None: recomputed in backward).
     Pool { a: Option<Tensor> },
     /// (n, h', w', c) bits: ReLU passed. The ReLU output itself is the stage
@@ -105,7 +102,6 @@ impl Stem {
             kind,
             conv1: Conv::new(pool, rng, "conv1", 3, width, k, stride, pad)?,
             bn1: BatchNorm::new(pool, "bn1", width, false)?,
-            precision: Precision::F32,
             recompute_bn_relu: false,
         })
     }
@@ -136,32 +132,32 @@ impl Stem {
     /// a checkpoint replays the stem, as the stem stored them.
     pub fn forward(
         &mut self,
-        pool: &Pool,
+        ctx: &Ctx<'_>,
         mut x: Tensor,
         mode: Mode,
     ) -> Result<(Tensor, Option<StemSaved>)> {
-        let p = self.precision;
+        let p = ctx.precision;
         let sp = if mode.saves() { p } else { Precision::F32 };
         if x.dtype() == DType::F32 {
             backend::round(&mut x, p)?;
         }
-        let xv = f32_view(pool, &x)?;
-        let y = self.conv1.forward(pool, &xv, "y")?;
+        let xv = f32_view(ctx, &x)?;
+        let y = self.conv1.forward(ctx, &xv, "y")?;
         drop(xv);
         if self.kind == StemKind::Small {
-            let (mut a, bn) = self.bn1.forward(pool, &y, false, mode, "a")?;
-            let mut mask = pool.empty(
+            let (mut a, bn) = self.bn1.forward(ctx, &y, false, mode, "a")?;
+            let mut mask = ctx.empty(
                 &[a.numel()],
                 DType::Bits,
                 Category::Activations,
                 Tag::fixed("bn1.relu_mask"),
             )?;
             backend::relu_mask_forward(&mut a, &mut mask)?;
-            let a = store(pool, a, p)?;
+            let a = store(ctx, a, p)?;
             let saved = if mode.saves() {
                 Some(StemSaved {
-                    x: store(pool, x, sp)?,
-                    y: store(pool, y, sp)?,
+                    x: store(ctx, x, sp)?,
+                    y: store(ctx, y, sp)?,
                     bn,
                     tail: StemTail::Mask { mask },
                 })
@@ -170,27 +166,27 @@ impl Stem {
             };
             return Ok((a, saved));
         }
-        let (a, bn) = self.bn1.forward(pool, &y, true, mode, "a")?;
-        let y = store(pool, y, sp)?;
+        let (a, bn) = self.bn1.forward(ctx, &y, true, mode, "a")?;
+        let y = store(ctx, y, sp)?;
         let (n, h, w, c) = a.shape().nhwc();
         let g = Self::pool_geom(n, h, w, c);
         g.validate()?;
-        let mut out = pool.empty_f32(
+        let mut out = ctx.empty_f32(
             &[n, g.oh(), g.ow(), c],
             Category::Activations,
             Tag::fixed("maxpool.out"),
         )?;
         // The max of rounded values needs no rounding.
         backend::maxpool_forward(&mut out, &a, &g)?;
-        let out = store(pool, out, p)?;
+        let out = store(ctx, out, p)?;
         let saved = if mode.saves() {
             let a = if self.recompute_bn_relu {
                 None
             } else {
-                Some(store(pool, a, sp)?)
+                Some(store(ctx, a, sp)?)
             };
             Some(StemSaved {
-                x: store(pool, x, sp)?,
+                x: store(ctx, x, sp)?,
                 y,
                 bn,
                 tail: StemTail::Pool { a },
@@ -202,22 +198,22 @@ impl Stem {
     }
 
     /// The images need no gradient, so this returns nothing.
-    pub fn backward(&mut self, pool: &Pool, saved: StemSaved, mut d_out: Tensor) -> Result<()> {
+    pub fn backward(&mut self, ctx: &Ctx<'_>, saved: StemSaved, mut d_out: Tensor) -> Result<()> {
         let StemSaved { x, y, bn, tail } = saved;
-        let yv = bf16_or_f32_view(pool, &y)?;
+        let yv = bf16_or_f32_view(ctx, &y)?;
         let d_y = match tail {
             StemTail::Mask { mask } => {
                 backend::relu_mask_backward_inplace(&mut d_out, &mask)?;
                 drop(mask);
-                let d_y = self.bn1.backward(pool, &d_out, &yv, &bn, None)?;
+                let d_y = self.bn1.backward(ctx, &d_out, &yv, &bn, None)?;
                 drop(d_out);
                 d_y
             }
             StemTail::Pool { a } => {
                 let av = match &a {
-                    Some(a) => f32_view(pool, a)?,
+                    Some(a) => f32_view(ctx, a)?,
                     None => crate::nn::precision::View::Owned(self.bn1.apply(
-                        pool,
+                        ctx,
                         &yv,
                         &bn,
                         true,
@@ -226,16 +222,16 @@ impl Stem {
                 };
                 let (n, h, w, c) = av.shape().nhwc();
                 let mut d_a =
-                    pool.empty_f32(av.dims(), Category::Activations, Tag::fixed("maxpool.dx"))?;
+                    ctx.empty_f32(av.dims(), Category::Activations, Tag::fixed("maxpool.dx"))?;
                 backend::maxpool_backward(
                     &mut d_a,
                     &d_out,
                     &av,
                     &Self::pool_geom(n, h, w, c),
-                    self.precision,
+                    ctx.precision,
                 )?;
                 drop(d_out);
-                let d_y = self.bn1.backward(pool, &d_a, &yv, &bn, Some(&av))?;
+                let d_y = self.bn1.backward(ctx, &d_a, &yv, &bn, Some(&av))?;
                 drop((d_a, av));
                 drop(a);
                 d_y
@@ -243,13 +239,13 @@ impl Stem {
         };
         drop(yv);
         drop(y);
-        let xv = f32_view(pool, &x)?;
-        self.conv1.backward(pool, &d_y, &xv, None)
+        let xv = f32_view(ctx, &x)?;
+        self.conv1.backward(ctx, &d_y, &xv, None)
     }
 
     /// Closed form of `StemSaved::bytes` for a batch of n (h, w) images.
-    pub fn saved_bytes(&self, n: usize, h: usize, w: usize) -> usize {
-        let e = self.precision.bytes();
+    pub fn saved_bytes(&self, n: usize, h: usize, w: usize, p: Precision) -> usize {
+        let e = p.bytes();
         let g = self.conv1.geom(n, h, w);
         let tail = match self.kind {
             StemKind::ImageNet if self.recompute_bn_relu => 0,

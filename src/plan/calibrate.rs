@@ -79,6 +79,7 @@ pub fn stage_forward_seconds(
         config.num_classes.clamp(1, 1000),
         1,
     );
+    let ctx = model.ctx(&pool);
     let mut best = vec![f64::INFINITY; model.stages.len()];
     for pass in 0..=TIMED_PASSES {
         let mut x = pool.from_f32(
@@ -92,7 +93,7 @@ pub fn stage_forward_seconds(
             // the clock is read (the CPU runs them as they are called).
             backend::synchronize(pool.device())?;
             let t = Instant::now();
-            let (y, saved) = stage.forward(&pool, x, Mode::Recompute)?;
+            let (y, saved) = stage.forward(&ctx, x, Mode::Recompute)?;
             drop(saved);
             backend::synchronize(pool.device())?;
             let seconds = t.elapsed().as_secs_f64();

@@ -117,6 +117,7 @@ impl CostModel {
         let dims = model.stage_inputs(image_size, image_size);
         let n = micro_batch;
         let mut stages = Vec::with_capacity(model.stages.len());
+        let ctx = model.ctx(&pool);
         for (i, stage) in model.stages.iter_mut().enumerate() {
             let (h, w, c) = dims[i];
             let category = if i == 0 {
@@ -128,7 +129,7 @@ impl CostModel {
             pool.reset_peak();
             let x = pool.empty_f32(&[n, h, w, c], category, Tag::fixed("plan.input"))?;
             let input = x.bytes();
-            let (y, saved) = stage.forward(&pool, x, Mode::Train)?;
+            let (y, saved) = stage.forward(&ctx, x, Mode::Train)?;
             let forward_peak = pool.stats().peak_total - before;
             let saved = saved.ok_or_else(|| Error::invalid("plan", "stage saved nothing"))?;
             let saved_bytes = saved.bytes();
@@ -136,7 +137,7 @@ impl CostModel {
             let d = pool.empty_f32(y.dims(), Category::Activations, Tag::fixed("plan.d_out"))?;
             drop(y);
             pool.reset_peak();
-            let d_in = stage.backward(&pool, saved, d)?;
+            let d_in = stage.backward(&ctx, saved, d)?;
             let backward_peak = pool.stats().peak_total - before;
             drop(d_in);
             stages.push(StageCost {
