@@ -9,6 +9,8 @@
 //!   statistics): bitwise with 2 ranks, within 1e-5 relative with 3 (see
 //!   [`steps`]).
 //!
+//! - a configuration that differs on one rank is refused on every rank.
+//!
 //! Every check is agreed on by all ranks before any of them exits, so a
 //! failure ends every rank (exit code 1) rather than leaving one waiting.
 //! Run alone (`cargo test --features mpi --test mpi_ranks`), it is a world
@@ -220,6 +222,21 @@ fn main() {
         failures.push(format!(
             "{size} ranks vs one process accumulating: bitwise {bitwise}, worst relative {worst:e}"
         ));
+    }
+
+    // 3. The startup check: the same configuration passes on every rank; a
+    //    different one on any rank fails on every rank (no hang).
+    if memfit::dist::check_same_config(comm.as_ref(), "batch_size=12").is_err() {
+        failures.push("equal configurations were refused".to_string());
+    }
+    let differs = format!("batch_size={}", if rank + 1 == size { 13 } else { 12 });
+    let r = memfit::dist::check_same_config(comm.as_ref(), &differs);
+    if size > 1
+        && !r
+            .as_ref()
+            .is_err_and(|e| e.to_string().contains("different configurations"))
+    {
+        failures.push(format!("a mismatched configuration was not refused: {r:?}"));
     }
 
     let failed = any_rank(comm.as_ref(), !failures.is_empty()).unwrap();
