@@ -16,6 +16,7 @@ pub mod baseline;
 pub mod bench;
 pub mod data;
 pub mod device;
+pub mod dist;
 pub mod error;
 pub mod exec;
 pub mod io;

@@ -13,6 +13,7 @@ const RANKS: &[(&str, u32)] = &[
     ("device", 0),
     ("profile", 0),
     ("error", 1),
+    ("dist", 2),
     ("tensor", 2),
     ("data", 2),
     ("baseline", 2),

@@ -4,6 +4,7 @@
 //! evaluation (loss, top-1, top-5), one JSON line per step and per
 //! evaluation in a metrics file.
 
+pub mod dist;
 pub mod metrics;
 pub mod state;
 pub mod step;
@@ -20,6 +21,7 @@ use crate::memory::{Category, MemoryStats, Pool, Tag, write_timeline_csv};
 use crate::nn::{Precision, ResNet};
 pub use crate::optim::Optimizer;
 use crate::optim::{GradScaler, LrSchedule};
+pub use dist::fit_distributed;
 use metrics::MetricsWriter;
 use state::{EpochSums, StateSaving};
 use step::{StepPolicy, TrainStep, gather};
@@ -238,7 +240,8 @@ pub fn fit(
     on_epoch: impl FnMut(&EpochReport),
 ) -> Result<Vec<EpochReport>> {
     // Loader threads borrow the datasets: one scope spans the run.
-    std::thread::scope(|scope| fit_in(scope, model, pool, optimizer, train, val, opts, on_epoch))
+    let comm: std::rc::Rc<dyn crate::dist::Collective> = std::rc::Rc::new(crate::dist::Single);
+    fit_distributed(model, pool, optimizer, train, val, opts, comm, on_epoch)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -250,15 +253,20 @@ fn fit_in<'scope, 'env>(
     train: &'env dyn Dataset,
     val: &'env dyn Dataset,
     opts: &TrainOptions,
+    comm: std::rc::Rc<dyn crate::dist::Collective>,
     mut on_epoch: impl FnMut(&EpochReport),
 ) -> Result<Vec<EpochReport>> {
+    // Distributed (train/dist.rs): only rank 0 prints and writes files.
+    let root = comm.is_root();
+    let saving_here = opts.saving.as_ref().filter(|_| root);
+    let trace_here = opts.memory_trace.as_ref().filter(|_| root);
     if opts.batch_size == 0 {
         return Err(Error::invalid("train", "batch size must be at least 1"));
     }
     if train.is_empty() {
         return Err(Error::invalid("train", "the training set is empty"));
     }
-    let mut metrics = MetricsWriter::open(opts.metrics_jsonl.as_deref())?;
+    let mut metrics = MetricsWriter::open(opts.metrics_jsonl.as_deref().filter(|_| root))?;
     let micro = opts
         .micro_batch
         .unwrap_or(opts.batch_size)
@@ -275,10 +283,12 @@ fn fit_in<'scope, 'env>(
             nan_policy: opts.nan_policy,
         },
         opts.scaler.clone(),
-    );
+    )
+    .distributed(comm.clone());
+    dist::broadcast_state(comm.as_ref(), model)?;
     let mut rng = ChaCha8Rng::seed_from_u64(opts.seed);
     let mut reports = Vec::new();
-    if opts.memory_trace.is_some() {
+    if trace_here.is_some() {
         pool.record_timeline(true);
     }
     let mut step = 0;
@@ -308,7 +318,11 @@ fn fit_in<'scope, 'env>(
         if let Some(s) = opts.resume_sums.filter(|s| s.epoch == epoch) {
             (loss_sum, correct, seen) = (s.loss_sum, s.correct, s.seen);
         }
-        let bar = progress_bar(opts.progress, order.len().div_ceil(opts.batch_size), epoch);
+        let bar = progress_bar(
+            opts.progress && root,
+            order.len().div_ceil(opts.batch_size),
+            epoch,
+        );
         let mut lr = opts.base_lr;
         // Per-step time includes waiting for the batch.
         let mut t0 = std::time::Instant::now();
@@ -368,7 +382,7 @@ fn fit_in<'scope, 'env>(
                 );
             }
             if step == TRACE_STEPS
-                && let Some(path) = &opts.memory_trace
+                && let Some(path) = trace_here
             {
                 write_timeline_csv(&pool.timeline(), path)?;
                 pool.record_timeline(false);
@@ -402,7 +416,7 @@ fn fit_in<'scope, 'env>(
                 &pool.stats(),
                 opts.predicted_peak,
             )?;
-            if let Some(saving) = &opts.saving
+            if let Some(saving) = saving_here
                 && saving.every_steps.is_some_and(|k| step % k.max(1) == 0)
             {
                 save(
@@ -414,13 +428,14 @@ fn fit_in<'scope, 'env>(
                     sums,
                 )?;
             }
-            if opts
-                .stop
-                .as_ref()
-                .is_some_and(|f| f.load(std::sync::atomic::Ordering::SeqCst))
-            {
+            if dist::any_rank(
+                comm.as_ref(),
+                opts.stop
+                    .as_ref()
+                    .is_some_and(|f| f.load(std::sync::atomic::Ordering::SeqCst)),
+            )? {
                 bar.finish_and_clear();
-                let saved_state = match &opts.saving {
+                let saved_state = match saving_here {
                     Some(saving) => Some(
                         save(
                             saving,
@@ -474,9 +489,11 @@ fn fit_in<'scope, 'env>(
             memory: pool.stats(),
             skipped,
         };
-        on_epoch(&report);
+        if root {
+            on_epoch(&report);
+        }
         reports.push(report);
-        if let Some(saving) = &opts.saving
+        if let Some(saving) = saving_here
             && (saving.every_epochs.is_some_and(|k| epoch % k.max(1) == 0)
                 || epoch == opts.epochs
                 || opts.max_steps.is_some_and(|m| step >= m))
@@ -501,7 +518,7 @@ fn fit_in<'scope, 'env>(
         }
     }
     if step < TRACE_STEPS
-        && let Some(path) = &opts.memory_trace
+        && let Some(path) = trace_here
     {
         write_timeline_csv(&pool.timeline(), path)?;
         pool.record_timeline(false);

@@ -13,6 +13,7 @@ use crate::optim::{GradScaler, Optimizer, ScalerStep, clip_grad_norm};
 use crate::tensor::Tensor;
 
 use super::NanPolicy;
+use super::dist::{GradSync, broadcast_buffers};
 
 /// What decides an optimizer step besides the data: fixed for a run.
 #[derive(Clone, Debug)]
@@ -53,6 +54,8 @@ pub struct TrainStep {
     /// BN running statistics before the step, to put back when a step is
     /// dropped (kept across steps so steady-state steps allocate nothing).
     saved_buffers: BnState,
+    /// Data-parallel training (see [`super::dist`]): `None` in one process.
+    pub dist: Option<GradSync>,
 }
 
 impl TrainStep {
@@ -61,7 +64,16 @@ impl TrainStep {
             policy,
             scaler,
             saved_buffers: BnState::default(),
+            dist: None,
         }
+    }
+
+    /// This step as one rank of a data-parallel run: each call trains on
+    /// the rank's shard of the window it is given (the global window) and
+    /// sums the gradients across ranks. A world of one changes nothing.
+    pub fn distributed(mut self, comm: std::rc::Rc<dyn crate::dist::Collective>) -> Self {
+        self.dist = (comm.size() > 1).then(|| GradSync::new(comm));
+        self
     }
 
     /// One optimizer step over a window of `labels.len()` samples whose
@@ -101,6 +113,15 @@ impl TrainStep {
         };
         let micro = self.policy.micro_batch.max(1);
         let px = images.len() / n.max(1);
+        // Data-parallel: this rank's shard of the window; the loss is still
+        // normalised by the whole window's `n`.
+        let (images, labels) = match &self.dist {
+            Some(d) => {
+                let r = crate::dist::shard(n, d.comm.rank(), d.comm.size());
+                (&images[r.start * px..r.end * px], &labels[r])
+            }
+            None => (images, labels),
+        };
         for (micro_images, micro_labels) in images.chunks(micro * px).zip(labels.chunks(micro)) {
             let x = gather(pool, image_hw, micro_images)?;
             let o = forward_backward(
@@ -120,6 +141,17 @@ impl TrainStep {
         }
         if inject_inf {
             inject_inf_grad(model);
+        }
+        // Once per optimizer step, after the last micro-batch: the summed
+        // gradients, loss and hits, and rank 0's BN running statistics, are
+        // then the same on every rank, so every decision below agrees.
+        if let Some(d) = self.dist.as_mut() {
+            d.sum_grads(model)?;
+            let mut sums = [0.0; 2];
+            d.comm.sum_f64(&[out.loss, out.correct as f64], &mut sums)?;
+            out.loss = sums[0];
+            out.correct = sums[1] as usize;
+            broadcast_buffers(d.comm.as_ref(), model)?;
         }
         // The scaler decides about non-finite values under f16: the step is
         // skipped and the scale backs off. Without one, a non-finite loss
