@@ -524,6 +524,8 @@ pub(super) fn all_finite(t: &Tensor) -> bool {
 }
 
 /// Whether every value of `c` is finite (see [`all_finite`]).
+// `x - x` on purpose: +0 for a finite x, NaN for inf or NaN.
+#[allow(clippy::eq_op)]
 fn chunk_is_finite(c: &[f32]) -> bool {
     const LANES: usize = 16;
     let mut acc = [0.0f32; LANES];
