@@ -34,6 +34,7 @@ use std::ffi::c_void;
 use super::dnn;
 use super::state::{State, state};
 use crate::accounting::Tag;
+use crate::backend::scratch::{self, BN_CHUNK_ROWS, SQ_CHUNK};
 use crate::backend::{ConvPass, LossOutput};
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -467,13 +468,7 @@ pub fn linear_backward(
 // ---------------------------------------------------------------------------
 // Batch norm
 
-/// Bytes of the BN kernels' chunk partial sums: (chunks, 2, c) f64.
-pub fn bn_partial_bytes(rows: usize, c: usize) -> usize {
-    rows.div_ceil(BN_CHUNK_ROWS) * 2 * c * 8
-}
-
-/// `BN_CHUNK_ROWS` and `BN_THREADS` of batchnorm.cu.
-const BN_CHUNK_ROWS: usize = 512;
+/// `BN_THREADS` of batchnorm.cu.
 const BN_THREADS: u32 = 128;
 
 fn bn_partial_grid(op: &'static str, rows: usize, c: usize) -> Result<(u32, u32, u32)> {
@@ -486,7 +481,7 @@ fn bn_partial_grid(op: &'static str, rows: usize, c: usize) -> Result<(u32, u32,
 
 /// The two-phase statistics of batchnorm.cu (`bn_stats_partial`, then
 /// `bn_stats_finish`: the CPU's bits) with the partial sums in a pool
-/// scratch of [`bn_partial_bytes`].
+/// scratch of [`scratch::bn_partial`].
 pub fn bn_batch_stats(
     mean: &mut Tensor,
     var: &mut Tensor,
@@ -502,7 +497,7 @@ pub fn bn_batch_stats(
         return Ok(());
     }
     let partial = x.scratch(
-        bn_partial_bytes(rows, c),
+        scratch::bn_partial(rows, c),
         Tag::fixed("bn partial sums"),
         false,
     )?;
@@ -646,7 +641,7 @@ pub fn bn_forward_keep_x(
 }
 
 /// The BN backward of batchnorm.cu: `bn_backward_partial_*` (chunk sums in
-/// a pool scratch of [`bn_partial_bytes`]), `bn_backward_finish` (dgamma,
+/// a pool scratch of [`scratch::bn_partial`]), `bn_backward_finish` (dgamma,
 /// dbeta and the per-channel coefficients, (3, c) f32 in a second scratch),
 /// then `bn_backward_dx_*`.
 #[allow(clippy::too_many_arguments)]
@@ -680,11 +675,15 @@ pub fn bn_backward(
         (true, true) => "xbf16_obf16",
     };
     let partial = dx.scratch(
-        bn_partial_bytes(rows, c),
+        scratch::bn_partial(rows, c),
         Tag::fixed("bn partial sums"),
         false,
     )?;
-    let coefs = dx.scratch(3 * c * 4, Tag::fixed("bn backward coefficients"), false)?;
+    let coefs = dx.scratch(
+        scratch::bn_coefs(c),
+        Tag::fixed("bn backward coefficients"),
+        false,
+    )?;
     launch_shape(
         &st,
         "batchnorm",
@@ -869,14 +868,6 @@ pub fn avgpool_backward(dx: &mut Tensor, dy: &Tensor, p: Precision) -> Result<()
 // ---------------------------------------------------------------------------
 // Loss
 
-/// Bytes of cross-entropy's scratch for `n` rows: labels (i32), per-row
-/// losses (f64), per-row hits (i32) and the 16-byte result (f64 loss, i32
-/// count), each region aligned to 16 bytes.
-pub fn cross_entropy_scratch_bytes(n: usize) -> usize {
-    let a = |b: usize| b.next_multiple_of(16);
-    a(4 * n) + a(8 * n) + a(4 * n) + 16
-}
-
 /// loss.cu's `cross_entropy_forward_backward` (one thread per row) and
 /// `cross_entropy_reduce`, with the labels uploaded as i32 into a pool
 /// scratch; the loss and the count come back in one 16-byte read.
@@ -909,17 +900,15 @@ pub fn cross_entropy(
         return Ok(LossOutput::default());
     }
     let labels32: Vec<i32> = labels.iter().map(|&l| l as i32).collect();
-    let scratch = d_logits.scratch(
-        cross_entropy_scratch_bytes(n),
-        Tag::fixed("loss scratch"),
-        false,
-    )?;
-    let a = |b: usize| (b.next_multiple_of(16)) as u64;
-    let base = scratch.device_address();
-    let labels_at = base;
-    let row_loss = labels_at + a(4 * n);
-    let row_correct = row_loss + a(8 * n);
-    let out = row_correct + a(4 * n);
+    let held = d_logits.scratch(scratch::cross_entropy(n), Tag::fixed("loss scratch"), false)?;
+    let base = held.device_address();
+    let (l, rl, rc, o) = scratch::cross_entropy_offsets(n);
+    let (labels_at, row_loss, row_correct, out) = (
+        base + l as u64,
+        base + rl as u64,
+        base + rc as u64,
+        base + o as u64,
+    );
     st.core.upload(labels_at, &labels32)?;
     let divisor = i64::try_from(divisor).map_err(|_| Error::invalid(op, "divisor"))?;
     launch(
@@ -1097,14 +1086,8 @@ pub fn adamw_update(
     launch(&st, "optim", "adamw_update", n, &args)
 }
 
-/// `SQ_CHUNK` of reduce.cu and its block size.
-const SQ_CHUNK: usize = 8192;
+/// The block size of reduce.cu's `sum_squares_partial` (`SQ_THREADS`).
 const SQ_THREADS: u32 = 256;
-
-/// Bytes of sum_squares' scratch: the block partials and the total (f64).
-pub fn sum_squares_scratch_bytes(n: usize) -> usize {
-    (n.div_ceil(SQ_CHUNK) + 1) * 8
-}
 
 /// reduce.cu's `sum_squares_partial` and `sum_squares_finish` (partials in
 /// a pool scratch); one 8-byte read.
@@ -1116,12 +1099,12 @@ pub fn sum_squares(t: &Tensor) -> Result<f64> {
         return Ok(0.0);
     }
     let blocks = n.div_ceil(SQ_CHUNK);
-    let scratch = t.scratch(
-        sum_squares_scratch_bytes(n),
+    let held = t.scratch(
+        scratch::sum_squares(n),
         Tag::fixed("sum_squares partials"),
         false,
     )?;
-    let partial = scratch.device_address();
+    let partial = held.device_address();
     let total = partial + (blocks * 8) as u64;
     let grid = u32::try_from(blocks).map_err(|_| Error::invalid(op, format!("{n} values")))?;
     launch_shape(
@@ -1148,7 +1131,7 @@ pub fn sum_squares(t: &Tensor) -> Result<f64> {
 /// the kernel that may set it.
 fn with_flag(t: &Tensor, f: impl FnOnce(&State, u64) -> Result<()>) -> Result<bool> {
     let st = state(ordinal(t)?)?;
-    let flag = t.scratch(4, Tag::fixed("finite flag"), true)?;
+    let flag = t.scratch(scratch::FLAG, Tag::fixed("finite flag"), true)?;
     f(&st, flag.device_address())?;
     let mut host = [0i32; 1];
     st.core.download(&mut host, flag.device_address())?;
