@@ -606,16 +606,29 @@ fn grads(model: &mut ResNet) -> Vec<(String, Vec<f32>)> {
 /// convolutions, not wired on CUDA.
 #[test]
 fn whole_step_matches_the_cpu() {
-    let Some(gpu_pool) = gpu() else { return };
-    if !CUDA_BACKEND_COMPLETE {
-        println!(
-            "note: CUDA_BACKEND_COMPLETE is false in this build; running the fp32 step anyway"
-        );
-    }
     let (n, size, classes) = (4, 32, 10);
+    let images = values(n * size * size * 3, 71);
+    let labels: Vec<usize> = (0..n).map(|i| (i * 3) % classes).collect();
+    let dims = [n, size, size, 3];
+    let run = |model: &mut ResNet, pool: &Pool, plan: &Plan| {
+        let x = pool
+            .from_f32(&dims, &images, Category::Data, Tag::fixed("images"))
+            .unwrap();
+        forward_backward(model, pool, plan, x, &labels, LossOptions::default()).unwrap()
+    };
+    // Every stage but the head (which cannot be) recomputed, each its own
+    // segment.
+    let recompute_plan = |stages: usize| {
+        let mut flags = vec![true; stages];
+        flags[stages - 1] = false;
+        Plan::from_flags(&flags, &vec![true; stages])
+    };
+    // The CPU half runs here too (the reference, and the test's own plan
+    // logic: recomputing gives keep-all's bits on the CPU as well).
+    let mut cpu_runs = Vec::new();
     for block in [BlockKind::Basic, BlockKind::Bottleneck] {
         let cpu_pool = Pool::new();
-        let mut config = ResNetConfig {
+        let config = ResNetConfig {
             block,
             layers: [1, 1, 1, 1],
             base_width: 8,
@@ -627,20 +640,30 @@ fn whole_step_matches_the_cpu() {
             recompute_bn_relu: false,
             target: Target::Cpu,
         };
-        let mut cpu_model = ResNet::new(&cpu_pool, config.clone()).unwrap();
+        let mut model = ResNet::new(&cpu_pool, config.clone()).unwrap();
+        let keep = Plan::keep_all(&model);
+        let out = run(&mut model, &cpu_pool, &keep);
+        let g = grads(&mut model);
+        let mut again = ResNet::new(&cpu_pool, config.clone()).unwrap();
+        let plan = recompute_plan(again.stages.len());
+        plan.validate(again.stages.len()).unwrap();
+        run(&mut again, &cpu_pool, &plan);
+        for ((name, a), (_, b)) in grads(&mut again).iter().zip(&g) {
+            assert_bits(&format!("cpu {block:?} recomputed grad {name}"), a, b);
+        }
+        cpu_runs.push((config, out, g));
+    }
+    let Some(gpu_pool) = gpu() else { return };
+    if !CUDA_BACKEND_COMPLETE {
+        println!(
+            "note: CUDA_BACKEND_COMPLETE is false in this build; running the fp32 step anyway"
+        );
+    }
+    for (mut config, co, cg) in cpu_runs {
+        let block = config.block;
         config.target = Target::Cuda(0);
         let mut gpu_model = ResNet::new(&gpu_pool, config.clone()).unwrap();
-        let images = values(n * size * size * 3, 71);
-        let labels: Vec<usize> = (0..n).map(|i| (i * 3) % classes).collect();
-        let dims = [n, size, size, 3];
-        let run = |model: &mut ResNet, pool: &Pool, plan: &Plan| {
-            let x = pool
-                .from_f32(&dims, &images, Category::Data, Tag::fixed("images"))
-                .unwrap();
-            forward_backward(model, pool, plan, x, &labels, LossOptions::default()).unwrap()
-        };
-        let keep = Plan::keep_all(&cpu_model);
-        let co = run(&mut cpu_model, &cpu_pool, &keep);
+        let keep = Plan::keep_all(&gpu_model);
         let go = run(&mut gpu_model, &gpu_pool, &keep);
         assert!(
             (go.loss - co.loss).abs() <= 1e-4 * co.loss.abs(),
@@ -649,16 +672,14 @@ fn whole_step_matches_the_cpu() {
             co.loss
         );
         assert_eq!(go.correct, co.correct, "{block:?} correct");
-        let cg = grads(&mut cpu_model);
         let gg = grads(&mut gpu_model);
         for ((name, g), (_, c)) in gg.iter().zip(&cg) {
             assert_close_normwise(&format!("{block:?} grad {name}"), g, c, 1e-3);
         }
-        // Recompute everything: the same GPU gradients, bit for bit.
-        let stages = gpu_model.stages.len();
+        // Recompute: the same GPU gradients, bit for bit.
         let mut again = ResNet::new(&gpu_pool, config.clone()).unwrap();
-        let recompute = Plan::from_flags(&vec![true; stages], &vec![true; stages]);
-        run(&mut again, &gpu_pool, &recompute);
+        let plan = recompute_plan(again.stages.len());
+        run(&mut again, &gpu_pool, &plan);
         for ((name, a), (_, b)) in grads(&mut again).iter().zip(&gg) {
             assert_bits(&format!("{block:?} recomputed grad {name}"), a, b);
         }
