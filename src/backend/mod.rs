@@ -6,8 +6,11 @@
 //! the device of its first output's storage, candle-style: a `match` per
 //! op, one arm per device. The CPU arm (`cpu`) hands host slices to the
 //! kernels in [`crate::ops`]; the meta arm does nothing, because a meta
-//! tensor has no bytes (the pool already counted them). A CUDA arm sits
-//! beside them when that backend lands.
+//! tensor has no bytes (the pool already counted them), except that on a
+//! meta device standing for a CUDA device it allocates (and drops) the
+//! pool scratch the CUDA arm would take inside the op ([`scratch`]), so a
+//! plan counts it. The CUDA arm (`cuda`, behind the `cuda` / `cuda-12`
+//! features; never run on a GPU yet) sits beside them.
 //!
 //! Why free functions with a `match` and not a trait object: the set of
 //! devices is closed and small, the ops are few (about 30), and a `match`
