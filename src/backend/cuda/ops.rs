@@ -226,20 +226,28 @@ fn cudnn_region(
     Ok((ws.device_address() + front as u64, have))
 }
 
-fn transpose_weight(st: &State, dst: u64, w: &Tensor, g: &ConvGeom, add_back: bool) -> Result<()> {
+/// `hwio_to_ohwi` (the weight `hwio` into the OHWI region at `region`)
+/// or, with `add_back`, `ohwi_add_to_hwio` (the OHWI gradient at `region`
+/// added into the HWIO gradient `hwio`).
+fn transpose_weight(
+    st: &State,
+    region: u64,
+    hwio: &Tensor,
+    g: &ConvGeom,
+    add_back: bool,
+) -> Result<()> {
     let op = "conv weight layout";
-    let (name, args) = if add_back {
-        ("ohwi_add_to_hwio", vec![ptr(w), Arg::Ptr(dst)])
+    let (name, mut args) = if add_back {
+        ("ohwi_add_to_hwio", vec![ptr(hwio), Arg::Ptr(region)])
     } else {
-        ("hwio_to_ohwi", vec![Arg::Ptr(dst), ptr(w)])
+        ("hwio_to_ohwi", vec![Arg::Ptr(region), ptr(hwio)])
     };
-    let mut args = args;
     args.extend([
         i32_arg(op, g.kh * g.kw)?,
         i32_arg(op, g.cin)?,
         i32_arg(op, g.cout)?,
     ]);
-    launch(st, "conv", name, w.numel(), &args)
+    launch(st, "conv", name, hwio.numel(), &args)
 }
 
 fn raw<'a>(st: &'a State, addr: u64, bytes: usize) -> dnn::Raw<'a> {
