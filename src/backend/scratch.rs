@@ -32,6 +32,9 @@ fn a16(b: usize) -> usize {
 /// per-row hits (i32), then the 16-byte result (f64 loss, i32 count), each
 /// region starting on 16 bytes. Offsets: see [`cross_entropy_offsets`].
 pub fn cross_entropy(n: usize) -> usize {
+    if n == 0 {
+        return 0; // nothing to compute, nothing taken
+    }
     a16(4 * n) + a16(8 * n) + a16(4 * n) + 16
 }
 
@@ -45,6 +48,9 @@ pub fn cross_entropy_offsets(n: usize) -> (usize, usize, usize, usize) {
 
 /// Sum of squares over `n` values: the block partials and the total (f64).
 pub fn sum_squares(n: usize) -> usize {
+    if n == 0 {
+        return 0; // the sum is 0.0 without a launch
+    }
     (n.div_ceil(SQ_CHUNK) + 1) * 8
 }
 
