@@ -70,3 +70,75 @@ fn the_simulator_plans_a_step_for_a_gpu() {
     );
     assert!(on_gpu.peak_total > 0);
 }
+
+/// The pool scratch the CUDA arm takes inside an op (BN partial sums, the
+/// loss's labels and row sums, the norm's partials, the finite flags) is
+/// counted on the meta device standing for a GPU, so a plan's peak holds
+/// it; the meta device standing for the CPU counts none.
+#[test]
+fn meta_for_cuda_counts_the_ops_scratch() {
+    use memfit::backend::{self, scratch};
+    use memfit::memory::{Pool, Tag};
+    use memfit::tensor::Precision;
+    for (target, counts) in [(Target::Cuda(0), true), (Target::Cpu, false)] {
+        let pool = Pool::on(Device::Meta(target));
+        let (rows, c) = (3000, 64);
+        let ws = Category::Workspace;
+        let x = pool.empty_f32(&[rows, c], ws, Tag::fixed("x")).unwrap();
+        let mut stats: Vec<_> = (0..3)
+            .map(|_| pool.empty_f32(&[c], ws, Tag::fixed("s")).unwrap())
+            .collect();
+        let (rstd, rest) = stats.split_last_mut().unwrap();
+        let (mean, var) = rest.split_at_mut(1);
+        let base = pool.stats().live.get(ws);
+        backend::bn_batch_stats(&mut mean[0], &mut var[0], rstd, &x, 1e-5).unwrap();
+        let want = if counts {
+            scratch::bn_partial(rows, c)
+        } else {
+            0
+        };
+        assert_eq!(
+            pool.stats().peak.get(ws) - base,
+            want,
+            "{target:?} bn stats"
+        );
+        assert_eq!(pool.stats().live.get(ws), base, "scratch freed");
+        let mut dx = pool.empty_f32(&[rows, c], ws, Tag::fixed("dx")).unwrap();
+        pool.reset_peak();
+        let base = pool.stats().live.get(ws);
+        backend::bn_backward(
+            &mut dx,
+            None,
+            None,
+            &x,
+            &x,
+            &mean[0],
+            rstd,
+            &var[0],
+            None,
+            true,
+            Precision::F32,
+        )
+        .unwrap();
+        let want = if counts {
+            scratch::bn_partial(rows, c) + scratch::bn_coefs(c)
+        } else {
+            0
+        };
+        assert_eq!(
+            pool.stats().peak.get(ws) - base,
+            want,
+            "{target:?} bn backward"
+        );
+        let (n, classes) = (16, 10);
+        let logits = pool.empty_f32(&[n, classes], ws, Tag::fixed("z")).unwrap();
+        let mut dz = pool.empty_f32(&[n, classes], ws, Tag::fixed("dz")).unwrap();
+        pool.reset_peak();
+        let base = pool.stats().live.get(ws);
+        let labels: Vec<usize> = (0..n).map(|i| i % classes).collect();
+        backend::cross_entropy(&mut dz, &logits, &labels, 0.1, n, None, Precision::F32).unwrap();
+        let want = if counts { scratch::cross_entropy(n) } else { 0 };
+        assert_eq!(pool.stats().peak.get(ws) - base, want, "{target:?} loss");
+        assert_eq!(pool.stats().live.get(ws), base);
+    }
+}

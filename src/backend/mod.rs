@@ -6,8 +6,11 @@
 //! the device of its first output's storage, candle-style: a `match` per
 //! op, one arm per device. The CPU arm (`cpu`) hands host slices to the
 //! kernels in [`crate::ops`]; the meta arm does nothing, because a meta
-//! tensor has no bytes (the pool already counted them). A CUDA arm sits
-//! beside them when that backend lands.
+//! tensor has no bytes (the pool already counted them), except that on a
+//! meta device standing for a CUDA device it allocates (and drops) the
+//! pool scratch the CUDA arm would take inside the op ([`scratch`]), so a
+//! plan counts it. The CUDA arm (`cuda`, behind the `cuda` / `cuda-12`
+//! features; never run on a GPU yet) sits beside them.
 //!
 //! Why free functions with a `match` and not a trait object: the set of
 //! devices is closed and small, the ops are few (about 30), and a `match`
@@ -26,6 +29,8 @@ mod cpu;
 /// op (`cuda::ops`).
 #[cfg(any(feature = "cuda", feature = "cuda-12"))]
 pub mod cuda;
+/// The pool scratch the CUDA arm takes per op, and its meta accounting.
+pub mod scratch;
 
 use crate::device::{Capabilities, Device};
 use crate::error::{Error, Result};
@@ -125,7 +130,13 @@ pub fn bn_batch_stats(
         Device::Cpu => cpu::bn_batch_stats(mean, var, rstd, x, eps),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
         Device::Cuda(_) => cuda::ops::bn_batch_stats(mean, var, rstd, x, eps)?,
-        Device::Meta(_) => {}
+        Device::Meta(_) => scratch::count_on_meta(
+            x,
+            &[scratch::bn_partial(
+                x.numel().checked_div(mean.numel()).unwrap_or(0),
+                mean.numel(),
+            )],
+        )?,
     }
     Ok(())
 }
@@ -263,7 +274,13 @@ pub fn bn_backward(
             batch_stats,
             p,
         )?,
-        Device::Meta(_) => {}
+        Device::Meta(_) => {
+            let (c, rows) = (
+                mean.numel(),
+                dx.numel().checked_div(mean.numel()).unwrap_or(0),
+            );
+            scratch::count_on_meta(dx, &[scratch::bn_partial(rows, c), scratch::bn_coefs(c)])?
+        }
     }
     Ok(())
 }
@@ -438,7 +455,10 @@ pub fn cross_entropy(
         Device::Cuda(_) => {
             cuda::ops::cross_entropy(d_logits, logits, labels, smoothing, divisor, scale, p)
         }
-        Device::Meta(_) => Ok(LossOutput::default()),
+        Device::Meta(_) => {
+            scratch::count_on_meta(d_logits, &[scratch::cross_entropy(labels.len())])?;
+            Ok(LossOutput::default())
+        }
     }
 }
 
@@ -583,7 +603,10 @@ pub fn sum_squares(t: &Tensor) -> Result<f64> {
         Device::Cpu => cpu::sum_squares(t),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
         Device::Cuda(_) => cuda::ops::sum_squares(t)?,
-        Device::Meta(_) => 0.0,
+        Device::Meta(_) => {
+            scratch::count_on_meta(t, &[scratch::sum_squares(t.numel())])?;
+            0.0
+        }
     })
 }
 
@@ -604,7 +627,10 @@ pub fn unscale(t: &mut Tensor, inv: f32) -> Result<bool> {
         Device::Cpu => cpu::unscale(t, inv),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
         Device::Cuda(_) => cuda::ops::unscale(t, inv)?,
-        Device::Meta(_) => false,
+        Device::Meta(_) => {
+            scratch::count_on_meta(t, &[scratch::FLAG])?;
+            false
+        }
     })
 }
 
@@ -614,7 +640,10 @@ pub fn all_finite(t: &Tensor) -> Result<bool> {
         Device::Cpu => cpu::all_finite(t),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
         Device::Cuda(_) => cuda::ops::all_finite(t)?,
-        Device::Meta(_) => true,
+        Device::Meta(_) => {
+            scratch::count_on_meta(t, &[scratch::FLAG])?;
+            true
+        }
     })
 }
 

@@ -162,10 +162,11 @@ impl std::fmt::Display for SelectError {
     }
 }
 
-/// Whether the CUDA backend can run a whole training step in this build.
-/// False until its convolutions, linear layer, BN statistics and loss are
-/// wired (`backend::cuda::ops`); `--device auto` stays on the CPU until
-/// then, and says so.
+/// Whether `--device auto` may pick the CUDA backend. Every op of the
+/// boundary has a CUDA arm (`backend::cuda::ops`), but none has run on a
+/// GPU yet, and bf16/f16 convolutions are not wired, so this stays false
+/// until `tests/cuda_vs_cpu.rs` has passed on one: `auto` stays on the CPU
+/// and says why; `--device cuda` uses the backend anyway.
 pub const CUDA_BACKEND_COMPLETE: bool = false;
 
 /// The device for `--device KIND`: `cpu`, `cuda` (device 0), `cuda:N`, or
@@ -206,7 +207,7 @@ fn select_cuda(ordinal: u32) -> std::result::Result<(Device, String), SelectErro
             let mut note = format!("device: {info} (--device cuda:{ordinal})");
             if !CUDA_BACKEND_COMPLETE {
                 note.push_str(
-                    "; note: the CUDA backend is incomplete in this build (no convolutions yet)",
+                    "; note: the CUDA backend has never been checked on a GPU in this build (fp32 only)",
                 );
             }
             Ok((Device::Cuda(ordinal), note))
@@ -238,8 +239,8 @@ fn select_auto() -> (Device, String) {
         Ok(info) => (
             Device::Cpu,
             format!(
-                "device: cpu (auto: {info} works, but the CUDA backend is incomplete in this \
-                 build; --device cuda uses it anyway)"
+                "device: cpu (auto: {info} works, but the CUDA backend has not been checked on \
+                 a GPU in this build; --device cuda uses it anyway)"
             ),
         ),
         Err(m) => (

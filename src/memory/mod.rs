@@ -482,6 +482,22 @@ impl Lender for Mutex<PoolState> {
             .map(|e| (e.tag.clone(), e.category))
     }
 
+    fn lend(
+        self: Arc<Self>,
+        device: Device,
+        shape: Shape,
+        dtype: DType,
+        category: Category,
+        tag: Tag,
+        zero: bool,
+    ) -> Result<Tensor> {
+        Pool {
+            state: self,
+            device,
+        }
+        .allocate(shape, dtype, category, tag, zero)
+    }
+
     fn tag_of(&self, id: u64) -> String {
         lock(self)
             .entries
@@ -617,6 +633,38 @@ mod tests {
     }
 
     const MIB: usize = 1 << 20;
+
+    #[test]
+    fn scratch_comes_from_the_tensors_pool_as_workspace_and_goes_back() {
+        let pool = Pool::with_budget(MIB);
+        let x = pool
+            .zeros_f32(&[1000], Category::Activations, Tag::fixed("x"))
+            .unwrap();
+        {
+            let s = x.scratch(10, Tag::fixed("scratch"), true).unwrap();
+            assert_eq!(
+                (s.numel(), s.dtype(), s.device()),
+                (3, DType::F32, Device::Cpu)
+            );
+            assert!(s.f32().iter().all(|&v| v == 0.0));
+            assert_eq!(s.meta().1, Category::Workspace);
+            let st = pool.stats();
+            assert_eq!(st.live.get(Category::Workspace), 12);
+            assert_eq!(st.live.total(), 4000 + 12);
+            // The pool's budget holds for scratch too.
+            assert!(x.scratch(MIB, Tag::fixed("too big"), false).is_err());
+        }
+        assert_eq!(pool.stats().live.get(Category::Workspace), 0);
+        assert_eq!(pool.stats().peak.get(Category::Workspace), 12);
+        // A meta tensor's scratch is counted, not backed.
+        let meta = Pool::shapes_only();
+        let m = meta
+            .empty_f32(&[8], Category::Activations, Tag::fixed("m"))
+            .unwrap();
+        let s = m.scratch(64, Tag::fixed("meta scratch"), false).unwrap();
+        assert_eq!(s.device(), m.device());
+        assert_eq!(meta.stats().live.get(Category::Workspace), 64);
+    }
 
     #[test]
     fn freed_storage_serves_other_sizes_and_types() {

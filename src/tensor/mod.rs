@@ -119,6 +119,17 @@ pub(crate) trait Lender: Send + Sync {
     fn give_back(&self, id: u64, storage: Storage);
     fn meta_of(&self, id: u64) -> Option<(Tag, Category)>;
     fn tag_of(&self, id: u64) -> String;
+    /// A new loan from the same pool, on `device` (a backend's scratch:
+    /// see [`Tensor::scratch`]).
+    fn lend(
+        self: Arc<Self>,
+        device: Device,
+        shape: Shape,
+        dtype: DType,
+        category: Category,
+        tag: Tag,
+        zero: bool,
+    ) -> crate::error::Result<Tensor>;
 }
 
 /// A tensor's claim on pool storage; returns it on release.
@@ -159,6 +170,20 @@ impl Lease {
 
     pub(crate) fn release(&self, storage: Storage) {
         self.lender.give_back(self.id, storage);
+    }
+
+    /// A new loan from the pool this one came from.
+    fn lend(
+        &self,
+        shape: Shape,
+        dtype: DType,
+        category: Category,
+        tag: Tag,
+        zero: bool,
+    ) -> crate::error::Result<Tensor> {
+        self.lender
+            .clone()
+            .lend(self.device, shape, dtype, category, tag, zero)
     }
 }
 
@@ -333,6 +358,24 @@ impl Tensor {
         self.lease
             .meta()
             .unwrap_or((Tag::fixed("?"), Category::Workspace))
+    }
+
+    /// A scratch tensor of at least `bytes` bytes (f32 units; contents
+    /// unspecified, or zeros when `zero`) from the same pool as `self`,
+    /// under category workspace: how a backend function gets memory for
+    /// partial sums, flags or uploaded labels without a new parameter at
+    /// the boundary. It counts against the pool's budget and peak like any
+    /// tensor and goes back to the pool when dropped. Only the CUDA backend
+    /// asks for one (the CPU's kernels keep such state on the stack).
+    pub fn scratch(&self, bytes: usize, tag: Tag, zero: bool) -> crate::error::Result<Tensor> {
+        let units = bytes.div_ceil(DType::F32.unit_bytes());
+        self.lease.lend(
+            Shape::new(&[units]),
+            DType::F32,
+            Category::Workspace,
+            tag,
+            zero,
+        )
     }
 
     /// Reinterpret with a new shape of the same element count.

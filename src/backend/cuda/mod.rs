@@ -16,6 +16,7 @@
 //! elementwise kernels give the CPU's bits and the reductions differ only
 //! where their comments say.
 
+pub mod dnn;
 pub mod ops;
 pub mod state;
 
@@ -37,6 +38,8 @@ pub const KERNEL_SOURCES: &[(&str, &str)] = &[
     ("cast", include_str!("kernels/cast.cu")),
     ("optim", include_str!("kernels/optim.cu")),
     ("reduce", include_str!("kernels/reduce.cu")),
+    ("conv", include_str!("kernels/conv.cu")),
+    ("linear", include_str!("kernels/linear.cu")),
 ];
 
 /// The virtual architectures CI compiles for: Turing (the oldest CUDA 13

@@ -3,25 +3,38 @@
 //! device, queued on that device's one stream.
 //!
 //! NOTHING HERE HAS RUN ON A GPU: it compiles, and the kernels it launches
-//! compile with NVRTC (tests/cuda_kernels.rs), but no launch has been made.
+//! compile with NVRTC (tests/cuda_kernels.rs), but no launch has been made
+//! and no cuDNN or cuBLAS call has been issued. tests/cuda_vs_cpu.rs holds
+//! the comparisons with the CPU backend that a GPU session must run.
 //!
-//! Wired (NVRTC kernels, launch shapes as their comments in `kernels/`
-//! state): BN running-statistic update, BN running stats, BN forward (with
-//! and without the bf16 keep-copy), add+ReLU with mask, add_assign, ReLU
-//! mask forward/backward, max and average pooling forward/backward,
-//! rounding, widen/narrow, copy_rounded, SGD, AdamW, scale, host copies,
-//! device copies, synchronise.
+//! Every op of the boundary is wired:
+//! * NVRTC kernels (launch shapes as their comments in `kernels/` state):
+//!   BN running-statistic update, BN running stats, BN forward (with and
+//!   without the bf16 keep-copy), add+ReLU with mask, add_assign, ReLU mask
+//!   forward/backward, max and average pooling forward/backward, rounding,
+//!   widen/narrow, copy_rounded, SGD, AdamW, scale.
+//! * Two-phase kernels with pool scratch ([`Tensor::scratch`]: category
+//!   workspace, from the pool of the op's output, freed on return): BN
+//!   batch statistics and BN backward (chunk partial sums, f64), the
+//!   cross-entropy (labels uploaded as i32, per-row losses; one 16-byte
+//!   read for loss and count), sum of squares (block partials; one 8-byte
+//!   read), unscale and all_finite (a zeroed 4-byte flag; one read each).
+//! * cuDNN (`dnn`): convolution forward / backward-data (beta = 1 into
+//!   `dx`) / backward-filter, NHWC f32, strict fp32 unless
+//!   `dnn::set_allow_tf32`, pinned deterministic algorithms; the HWIO weight
+//!   is transposed into the planned workspace (`conv.cu`). bf16/f16
+//!   convolutions are not wired (an error naming them).
+//! * cuBLAS sgemm (`dnn`): linear forward and backward, bias by `linear.cu`.
+//! * Host copies, device copies, synchronise.
 //!
-//! Not wired yet, an `Error::Cuda` naming the op: convolutions (cuDNN
-//! NHWC), linear (cuBLAS), and the ops whose kernels need pool scratch the
-//! boundary does not pass yet (BN batch statistics and BN backward: chunk
-//! partial sums; cross-entropy: per-row losses; sum of squares: block
-//! partials; unscale and all_finite: a device flag). See
-//! `docs/architecture.md`, "How to add a backend".
+//! See `docs/architecture.md`, "How to add a backend".
 
 use std::ffi::c_void;
 
+use super::dnn;
 use super::state::{State, state};
+use crate::accounting::Tag;
+use crate::backend::scratch::{self, BN_CHUNK_ROWS, SQ_CHUNK};
 use crate::backend::{ConvPass, LossOutput};
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -154,91 +167,372 @@ fn launch_shape(
 // ---------------------------------------------------------------------------
 // Workspaces the meta device answers identically
 
-/// cuDNN's workspace for a convolution on CUDA device `ordinal`, as
-/// (f32, elements). The convolution is not wired yet (see the module doc),
-/// so this is the documented planning default: the weight in cuDNN's NHWC
-/// filter layout (cout, kh, kw, cin) in f32, plus the weight gradient in
-/// that layout for the backward pass, plus [`CUDNN_DEFAULT_WORKSPACE`]
-/// bytes for cuDNN itself (an upper bound of what FACTS.md measured on the
-/// H200 for implicit-GEMM forward, 131 B, and weight gradient, 2.2 MB, at
-/// ResNet-50 sizes). When the convolutions are wired, this asks cuDNN for
-/// the pinned algorithm's size when the device is here.
-pub fn conv2d_workspace(_ordinal: u32, g: &ConvGeom, pass: ConvPass) -> (DType, usize) {
-    let w = g.kh * g.kw * g.cin * g.cout;
-    let bytes = match pass {
-        ConvPass::Forward => w * 4 + CUDNN_DEFAULT_WORKSPACE,
-        ConvPass::Backward => 2 * w * 4 + CUDNN_DEFAULT_WORKSPACE,
-    };
+/// The workspace a convolution on CUDA device `ordinal` is given, as
+/// (f32, elements): [`dnn::weight_regions_bytes`] (the weight in cuDNN's
+/// NHWC filter layout, plus its gradient in that layout for the backward,
+/// each aligned to [`dnn::WS_ALIGN`]) followed by cuDNN's own workspace for
+/// the pinned algorithms ([`dnn::FWD_ALGO`]; the larger of
+/// [`dnn::BWD_DATA_ALGO`] and [`dnn::BWD_FILTER_ALGO`]). cuDNN's part is
+/// asked of cuDNN when the device answers (the call asks the same question
+/// of the same descriptors, so the two agree); with no GPU here it is the
+/// documented bound [`CUDNN_DEFAULT_WORKSPACE`]. The planner's meta device
+/// calls this too, so it counts what the call will use.
+pub fn conv2d_workspace(ordinal: u32, g: &ConvGeom, pass: ConvPass) -> (DType, usize) {
+    let cudnn = state(ordinal)
+        .and_then(|st| dnn::query_cudnn_bytes(&st, g, pass))
+        .unwrap_or(CUDNN_DEFAULT_WORKSPACE);
+    let bytes = dnn::weight_regions_bytes(g, pass) + cudnn;
     (DType::F32, bytes.div_ceil(4))
 }
 
-/// The planning default for cuDNN's own workspace per convolution (4 MiB).
-pub const CUDNN_DEFAULT_WORKSPACE: usize = 4 << 20;
+pub use dnn::CUDNN_DEFAULT_WORKSPACE;
 
 // ---------------------------------------------------------------------------
-// Convolution and linear (not wired)
+// Convolution (cuDNN) and linear (cuBLAS)
 
-pub fn conv2d_forward(
-    _y: &mut Tensor,
-    _x: &Tensor,
-    _w: &Tensor,
-    _g: &ConvGeom,
-    _ws: &mut Tensor,
-    _p: Precision,
-) -> Result<()> {
-    Err(not_yet("conv2d_forward", "cuDNN NHWC convolution"))
+/// The convolutions are fp32 on CUDA for now: bf16/f16 arithmetic and a
+/// bf16 input read in place are not wired.
+fn conv_check(op: &'static str, x: &Tensor, p: Precision) -> Result<()> {
+    if p != Precision::F32 || x.dtype() != DType::F32 {
+        return Err(not_yet(
+            op,
+            "convolutions in bf16/f16 precision or on a bf16 input",
+        ));
+    }
+    Ok(())
 }
 
+/// The cuDNN region of `ws` after the weight regions, checked against what
+/// cuDNN asks for (never allocated here: it was planned).
+fn cudnn_region(
+    op: &'static str,
+    ws: &Tensor,
+    g: &ConvGeom,
+    pass: ConvPass,
+    need: usize,
+) -> Result<(u64, usize)> {
+    let front = dnn::weight_regions_bytes(g, pass);
+    let have = ws.storage_bytes().saturating_sub(front);
+    if need > have {
+        return Err(Error::Cuda {
+            op,
+            reason: format!(
+                "cuDNN asks for {need} B of workspace, {have} B were planned ({}); the plan was \
+                 made without this GPU's answer",
+                ws.tag()
+            ),
+        });
+    }
+    Ok((ws.device_address() + front as u64, have))
+}
+
+/// `hwio_to_ohwi` (the weight `hwio` into the OHWI region at `region`)
+/// or, with `add_back`, `ohwi_add_to_hwio` (the OHWI gradient at `region`
+/// added into the HWIO gradient `hwio`).
+fn transpose_weight(
+    st: &State,
+    region: u64,
+    hwio: &Tensor,
+    g: &ConvGeom,
+    add_back: bool,
+) -> Result<()> {
+    let op = "conv weight layout";
+    let (name, mut args) = if add_back {
+        ("ohwi_add_to_hwio", vec![ptr(hwio), Arg::Ptr(region)])
+    } else {
+        ("hwio_to_ohwi", vec![Arg::Ptr(region), ptr(hwio)])
+    };
+    args.extend([
+        i32_arg(op, g.kh * g.kw)?,
+        i32_arg(op, g.cin)?,
+        i32_arg(op, g.cout)?,
+    ]);
+    launch(st, "conv", name, hwio.numel(), &args)
+}
+
+fn raw<'a>(st: &'a State, addr: u64, bytes: usize) -> dnn::Raw<'a> {
+    dnn::Raw {
+        addr,
+        bytes,
+        stream: &st.core.stream,
+    }
+}
+
+fn raw_t<'a>(st: &'a State, t: &Tensor) -> dnn::Raw<'a> {
+    raw(st, t.device_address(), t.storage_bytes())
+}
+
+fn cudnn_call(op: &'static str) -> impl Fn(cudarc::cudnn::CudnnError) -> Error {
+    move |e| Error::Cuda {
+        op,
+        reason: format!("{e:?}"),
+    }
+}
+
+/// cuDNN forward with [`dnn::FWD_ALGO`] (alpha 1, beta 0: `y` overwritten)
+/// on the OHWI copy of `w` made in `ws`.
+pub fn conv2d_forward(
+    y: &mut Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    g: &ConvGeom,
+    ws: &mut Tensor,
+    p: Precision,
+) -> Result<()> {
+    let op = "conv2d_forward";
+    conv_check(op, x, p)?;
+    let st = state(ordinal(y)?)?;
+    let h = dnn::cudnn(&st)?;
+    let d = dnn::conv_descs(&h, g)?;
+    let need = dnn::cudnn_workspace_bytes(&d, ConvPass::Forward)?;
+    let (cws, have) = cudnn_region(op, ws, g, ConvPass::Forward, need)?;
+    let w_t = ws.device_address();
+    transpose_weight(&st, w_t, w, g, false)?;
+    let fwd = cudarc::cudnn::ConvForward {
+        conv: &d.conv,
+        x: &d.x,
+        w: &d.w,
+        y: &d.y,
+    };
+    let mut wsr = raw(&st, cws, have);
+    let mut yr = raw_t(&st, y);
+    // SAFETY: every address is pool storage on this device of the size the
+    // descriptors describe (from the same geometry), f32, NHWC; the handle
+    // is bound to the device's one stream, where the transpose ran first.
+    unsafe {
+        fwd.launch(
+            dnn::FWD_ALGO,
+            Some(&mut wsr),
+            (1.0f32, 0.0f32),
+            &raw_t(&st, x),
+            &raw(&st, w_t, w.storage_bytes()),
+            &mut yr,
+        )
+    }
+    .map_err(cudnn_call("cudnnConvolutionForward"))
+}
+
+/// cuDNN backward-data with [`dnn::BWD_DATA_ALGO`] into `dx` with beta = 1
+/// (accumulating, as the CPU's dgrad does), and backward-filter with
+/// [`dnn::BWD_FILTER_ALGO`] into the OHWI region of `ws` (beta = 0), then
+/// added into `dw` (HWIO) by `ohwi_add_to_hwio`.
 #[allow(clippy::too_many_arguments)]
 pub fn conv2d_backward(
-    _dx: Option<&mut Tensor>,
-    _dw: &mut Tensor,
-    _dy: &Tensor,
-    _x: &Tensor,
-    _w: &Tensor,
-    _g: &ConvGeom,
-    _ws: &mut Tensor,
-    _p: Precision,
+    dx: Option<&mut Tensor>,
+    dw: &mut Tensor,
+    dy: &Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    g: &ConvGeom,
+    ws: &mut Tensor,
+    p: Precision,
 ) -> Result<()> {
-    Err(not_yet("conv2d_backward", "cuDNN NHWC convolution"))
+    let op = "conv2d_backward";
+    conv_check(op, x, p)?;
+    let st = state(ordinal(dw)?)?;
+    let h = dnn::cudnn(&st)?;
+    let d = dnn::conv_descs(&h, g)?;
+    let need = dnn::cudnn_workspace_bytes(&d, ConvPass::Backward)?;
+    let (cws, have) = cudnn_region(op, ws, g, ConvPass::Backward, need)?;
+    let w_t = ws.device_address();
+    let dw_t = w_t + (dnn::weight_regions_bytes(g, ConvPass::Backward) / 2) as u64;
+    let w_bytes = w.storage_bytes();
+    if let Some(dx) = dx {
+        transpose_weight(&st, w_t, w, g, false)?;
+        let data = cudarc::cudnn::ConvBackwardData {
+            conv: &d.conv,
+            dx: &d.x,
+            w: &d.w,
+            dy: &d.y,
+        };
+        let mut wsr = raw(&st, cws, have);
+        let mut dxr = raw_t(&st, dx);
+        // SAFETY: as in conv2d_forward.
+        unsafe {
+            data.launch(
+                dnn::BWD_DATA_ALGO,
+                Some(&mut wsr),
+                (1.0f32, 1.0f32),
+                &mut dxr,
+                &raw(&st, w_t, w_bytes),
+                &raw_t(&st, dy),
+            )
+        }
+        .map_err(cudnn_call("cudnnConvolutionBackwardData"))?;
+    }
+    let filter = cudarc::cudnn::ConvBackwardFilter {
+        conv: &d.conv,
+        x: &d.x,
+        dw: &d.w,
+        dy: &d.y,
+    };
+    let mut wsr = raw(&st, cws, have);
+    let mut dwr = raw(&st, dw_t, w_bytes);
+    // SAFETY: as in conv2d_forward; the data pass before it is ordered on
+    // the same stream, so reusing the cuDNN region is safe.
+    unsafe {
+        filter.launch(
+            dnn::BWD_FILTER_ALGO,
+            Some(&mut wsr),
+            (1.0f32, 0.0f32),
+            &raw_t(&st, x),
+            &mut dwr,
+            &raw_t(&st, dy),
+        )
+    }
+    .map_err(cudnn_call("cudnnConvolutionBackwardFilter"))?;
+    transpose_weight(&st, dw_t, dw, g, true)
 }
 
+/// `y = x·wᵀ + b`: `bias_rows` fills `y` with `b`, then one sgemm with
+/// beta = 1. Row-major (n, out) `y` is column-major (out × n) `yᵀ = w·xᵀ`.
 pub fn linear_forward(
-    _y: &mut Tensor,
-    _x: &Tensor,
-    _w: &Tensor,
-    _b: &Tensor,
-    _p: Precision,
+    y: &mut Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    b: &Tensor,
+    p: Precision,
 ) -> Result<()> {
-    Err(not_yet("linear_forward", "cuBLAS sgemm"))
+    let op = "linear_forward";
+    let st = state(ordinal(y)?)?;
+    let (n, fout) = (y.dims()[0], y.dims()[1]);
+    let fin = w.dims()[1];
+    launch(
+        &st,
+        "linear",
+        "bias_rows",
+        n * fout,
+        &[ptr(y), ptr(b), n64(n), i32_arg(op, fout)?],
+    )?;
+    dnn::sgemm(
+        &st,
+        true,
+        false,
+        (fout, n, fin),
+        w.device_address(),
+        fin,
+        x.device_address(),
+        fin,
+        1.0,
+        y.device_address(),
+        fout,
+    )?;
+    round(y, p)
 }
 
+/// `dw += dyᵀ·x` (sgemm, beta = 1), `db += Σ dy` (`bias_grad`, the CPU's
+/// order and bits), `dx = dy·w` (sgemm, beta = 0), rounded to `p`.
 pub fn linear_backward(
-    _dx: &mut Tensor,
-    _dw: &mut Tensor,
-    _db: &mut Tensor,
-    _dy: &Tensor,
-    _x: &Tensor,
-    _w: &Tensor,
-    _p: Precision,
+    dx: &mut Tensor,
+    dw: &mut Tensor,
+    db: &mut Tensor,
+    dy: &Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    p: Precision,
 ) -> Result<()> {
-    Err(not_yet("linear_backward", "cuBLAS sgemm"))
+    let op = "linear_backward";
+    let st = state(ordinal(dx)?)?;
+    let (fout, fin) = (w.dims()[0], w.dims()[1]);
+    let n = dy.dims()[0];
+    // Column-major: dwᵀ (in × out) += xᵀ (in × n) · dy (n × out).
+    dnn::sgemm(
+        &st,
+        false,
+        true,
+        (fin, fout, n),
+        x.device_address(),
+        fin,
+        dy.device_address(),
+        fout,
+        1.0,
+        dw.device_address(),
+        fin,
+    )?;
+    launch(
+        &st,
+        "linear",
+        "bias_grad",
+        fout,
+        &[ptr(db), ptr(dy), n64(n), i32_arg(op, fout)?],
+    )?;
+    // Column-major: dxᵀ (in × n) = wᵀ (in × out) · dyᵀ (out × n).
+    dnn::sgemm(
+        &st,
+        false,
+        false,
+        (fin, n, fout),
+        w.device_address(),
+        fin,
+        dy.device_address(),
+        fout,
+        0.0,
+        dx.device_address(),
+        fin,
+    )?;
+    round(dx, p)
 }
 
 // ---------------------------------------------------------------------------
 // Batch norm
 
+/// `BN_THREADS` of batchnorm.cu.
+const BN_THREADS: u32 = 128;
+
+fn bn_partial_grid(op: &'static str, rows: usize, c: usize) -> Result<(u32, u32, u32)> {
+    let chunks = u32::try_from(rows.div_ceil(BN_CHUNK_ROWS))
+        .map_err(|_| Error::invalid(op, format!("{rows} rows")))?;
+    let cblocks = u32::try_from(c.div_ceil(BN_THREADS as usize))
+        .map_err(|_| Error::invalid(op, format!("{c} channels")))?;
+    Ok((chunks, cblocks, 1))
+}
+
+/// The two-phase statistics of batchnorm.cu (`bn_stats_partial`, then
+/// `bn_stats_finish`: the CPU's bits) with the partial sums in a pool
+/// scratch of [`scratch::bn_partial`].
 pub fn bn_batch_stats(
-    _mean: &mut Tensor,
-    _var: &mut Tensor,
-    _rstd: &mut Tensor,
-    _x: &Tensor,
-    _eps: f32,
+    mean: &mut Tensor,
+    var: &mut Tensor,
+    rstd: &mut Tensor,
+    x: &Tensor,
+    eps: f32,
 ) -> Result<()> {
-    Err(not_yet(
-        "bn_batch_stats",
-        "needs a pool scratch for chunk partial sums",
-    ))
+    let op = "bn_batch_stats";
+    let st = state(ordinal(mean)?)?;
+    let c = mean.numel();
+    let rows = x.numel().checked_div(c).unwrap_or(0);
+    if rows == 0 {
+        return Ok(());
+    }
+    let partial = x.scratch(
+        scratch::bn_partial(rows, c),
+        Tag::fixed("bn partial sums"),
+        false,
+    )?;
+    launch_shape(
+        &st,
+        "batchnorm",
+        "bn_stats_partial",
+        bn_partial_grid(op, rows, c)?,
+        (BN_THREADS, 1, 1),
+        &[ptr(&partial), ptr(x), n64(rows), i32_arg(op, c)?],
+    )?;
+    launch(
+        &st,
+        "batchnorm",
+        "bn_stats_finish",
+        c,
+        &[
+            ptr(mean),
+            ptr(var),
+            ptr(rstd),
+            ptr(&partial),
+            ptr(x),
+            n64(rows),
+            i32_arg(op, c)?,
+            Arg::F32(eps),
+        ],
+    )
 }
 
 pub fn bn_update_running(
@@ -354,24 +648,100 @@ pub fn bn_forward_keep_x(
     bn_forward_any(y, Some(x_low), x, mean, rstd, gamma, beta, relu, p)
 }
 
+/// The BN backward of batchnorm.cu: `bn_backward_partial_*` (chunk sums in
+/// a pool scratch of [`scratch::bn_partial`]), `bn_backward_finish` (dgamma,
+/// dbeta and the per-channel coefficients, (3, c) f32 in a second scratch),
+/// then `bn_backward_dx_*`.
 #[allow(clippy::too_many_arguments)]
 pub fn bn_backward(
-    _dx: &mut Tensor,
-    _dgamma: Option<&mut Tensor>,
-    _dbeta: Option<&mut Tensor>,
-    _dy: &Tensor,
-    _x: &Tensor,
-    _mean: &Tensor,
-    _rstd: &Tensor,
-    _gamma: &Tensor,
-    _relu_out: Option<&Tensor>,
-    _batch_stats: bool,
-    _p: Precision,
+    dx: &mut Tensor,
+    dgamma: Option<&mut Tensor>,
+    dbeta: Option<&mut Tensor>,
+    dy: &Tensor,
+    x: &Tensor,
+    mean: &Tensor,
+    rstd: &Tensor,
+    gamma: &Tensor,
+    relu_out: Option<&Tensor>,
+    batch_stats: bool,
+    p: Precision,
 ) -> Result<()> {
-    Err(not_yet(
-        "bn_backward",
-        "needs a pool scratch for chunk partial sums",
-    ))
+    let op = "bn_backward";
+    let st = state(ordinal(dx)?)?;
+    let c = mean.numel();
+    let rows = dx.numel().checked_div(c).unwrap_or(0);
+    if rows == 0 {
+        return Ok(());
+    }
+    let suffix = match (
+        x.dtype() == DType::BF16,
+        relu_out.is_some_and(|o| o.dtype() == DType::BF16),
+    ) {
+        (false, false) => "xf32_of32",
+        (false, true) => "xf32_obf16",
+        (true, false) => "xbf16_of32",
+        (true, true) => "xbf16_obf16",
+    };
+    let partial = dx.scratch(
+        scratch::bn_partial(rows, c),
+        Tag::fixed("bn partial sums"),
+        false,
+    )?;
+    let coefs = dx.scratch(
+        scratch::bn_coefs(c),
+        Tag::fixed("bn backward coefficients"),
+        false,
+    )?;
+    launch_shape(
+        &st,
+        "batchnorm",
+        &format!("bn_backward_partial_{suffix}"),
+        bn_partial_grid(op, rows, c)?,
+        (BN_THREADS, 1, 1),
+        &[
+            ptr(&partial),
+            ptr(dy),
+            ptr(x),
+            ptr(mean),
+            opt_ptr(relu_out),
+            n64(rows),
+            i32_arg(op, c)?,
+        ],
+    )?;
+    launch(
+        &st,
+        "batchnorm",
+        "bn_backward_finish",
+        c,
+        &[
+            ptr(&coefs),
+            opt_ptr(dgamma.as_deref()),
+            opt_ptr(dbeta.as_deref()),
+            ptr(&partial),
+            ptr(rstd),
+            ptr(gamma),
+            n64(rows),
+            i32_arg(op, c)?,
+            Arg::I32(i32::from(batch_stats)),
+        ],
+    )?;
+    launch(
+        &st,
+        "batchnorm",
+        &format!("bn_backward_dx_{suffix}"),
+        rows * c,
+        &[
+            ptr(dx),
+            ptr(dy),
+            ptr(x),
+            ptr(mean),
+            opt_ptr(relu_out),
+            ptr(&coefs),
+            n64(rows),
+            i32_arg(op, c)?,
+            Arg::I32(round_arg(p)),
+        ],
+    )
 }
 
 // ---------------------------------------------------------------------------
@@ -506,19 +876,88 @@ pub fn avgpool_backward(dx: &mut Tensor, dy: &Tensor, p: Precision) -> Result<()
 // ---------------------------------------------------------------------------
 // Loss
 
+/// loss.cu's `cross_entropy_forward_backward` (one thread per row) and
+/// `cross_entropy_reduce`, with the labels uploaded as i32 into a pool
+/// scratch; the loss and the count come back in one 16-byte read.
 pub fn cross_entropy(
-    _d_logits: &mut Tensor,
-    _logits: &Tensor,
-    _labels: &[usize],
-    _smoothing: f32,
-    _divisor: usize,
-    _scale: Option<f32>,
-    _p: Precision,
+    d_logits: &mut Tensor,
+    logits: &Tensor,
+    labels: &[usize],
+    smoothing: f32,
+    divisor: usize,
+    scale: Option<f32>,
+    p: Precision,
 ) -> Result<LossOutput> {
-    Err(not_yet(
-        "cross_entropy",
-        "needs pool scratch for labels and per-row losses",
-    ))
+    let op = "cross_entropy";
+    let st = state(ordinal(d_logits)?)?;
+    let (n, classes) = (logits.dims()[0], logits.dims()[1]);
+    if labels.len() != n {
+        return Err(Error::ShapeMismatch {
+            op,
+            expected: format!("{n} labels"),
+            got: labels.len().to_string(),
+        });
+    }
+    if let Some(&bad) = labels.iter().find(|&&l| l >= classes) {
+        return Err(Error::invalid(
+            op,
+            format!("label {bad} out of range for {classes} classes"),
+        ));
+    }
+    if n == 0 {
+        return Ok(LossOutput::default());
+    }
+    let labels32: Vec<i32> = labels.iter().map(|&l| l as i32).collect();
+    let held = d_logits.scratch(scratch::cross_entropy(n), Tag::fixed("loss scratch"), false)?;
+    let base = held.device_address();
+    let (l, rl, rc, o) = scratch::cross_entropy_offsets(n);
+    let (labels_at, row_loss, row_correct, out) = (
+        base + l as u64,
+        base + rl as u64,
+        base + rc as u64,
+        base + o as u64,
+    );
+    st.core.upload(labels_at, &labels32)?;
+    let divisor = i64::try_from(divisor).map_err(|_| Error::invalid(op, "divisor"))?;
+    launch(
+        &st,
+        "loss",
+        "cross_entropy_forward_backward",
+        n,
+        &[
+            Arg::Ptr(row_loss),
+            Arg::Ptr(row_correct),
+            ptr(d_logits),
+            ptr(logits),
+            Arg::Ptr(labels_at),
+            i32_arg(op, n)?,
+            i32_arg(op, classes)?,
+            Arg::F32(smoothing),
+            Arg::I64(divisor),
+            Arg::I32(i32::from(scale.is_some())),
+            Arg::F32(scale.unwrap_or(1.0)),
+            Arg::I32(round_arg(p)),
+        ],
+    )?;
+    launch(
+        &st,
+        "loss",
+        "cross_entropy_reduce",
+        1,
+        &[
+            Arg::Ptr(out),
+            Arg::Ptr(out + 8),
+            Arg::Ptr(row_loss),
+            Arg::Ptr(row_correct),
+            i32_arg(op, n)?,
+        ],
+    )?;
+    let mut host = [0u64; 2];
+    st.core.download(&mut host, out)?;
+    Ok(LossOutput {
+        loss: f64::from_bits(host[0]),
+        correct: (host[1] & 0xffff_ffff) as usize,
+    })
 }
 
 // ---------------------------------------------------------------------------
@@ -655,11 +1094,56 @@ pub fn adamw_update(
     launch(&st, "optim", "adamw_update", n, &args)
 }
 
-pub fn sum_squares(_t: &Tensor) -> Result<f64> {
-    Err(not_yet(
-        "sum_squares",
-        "needs a pool scratch for block partials",
-    ))
+/// The block size of reduce.cu's `sum_squares_partial` (`SQ_THREADS`).
+const SQ_THREADS: u32 = 256;
+
+/// reduce.cu's `sum_squares_partial` and `sum_squares_finish` (partials in
+/// a pool scratch); one 8-byte read.
+pub fn sum_squares(t: &Tensor) -> Result<f64> {
+    let op = "sum_squares";
+    let st = state(ordinal(t)?)?;
+    let n = t.numel();
+    if n == 0 {
+        return Ok(0.0);
+    }
+    let blocks = n.div_ceil(SQ_CHUNK);
+    let held = t.scratch(
+        scratch::sum_squares(n),
+        Tag::fixed("sum_squares partials"),
+        false,
+    )?;
+    let partial = held.device_address();
+    let total = partial + (blocks * 8) as u64;
+    let grid = u32::try_from(blocks).map_err(|_| Error::invalid(op, format!("{n} values")))?;
+    launch_shape(
+        &st,
+        "reduce",
+        "sum_squares_partial",
+        (grid, 1, 1),
+        (SQ_THREADS, 1, 1),
+        &[Arg::Ptr(partial), ptr(t), n64(n)],
+    )?;
+    launch(
+        &st,
+        "reduce",
+        "sum_squares_finish",
+        1,
+        &[Arg::Ptr(total), Arg::Ptr(partial), n64(blocks)],
+    )?;
+    let mut host = [0f64; 1];
+    st.core.download(&mut host, total)?;
+    Ok(host[0])
+}
+
+/// A zeroed 4-byte device flag from the pool, read back after `f` queued
+/// the kernel that may set it.
+fn with_flag(t: &Tensor, f: impl FnOnce(&State, u64) -> Result<()>) -> Result<bool> {
+    let st = state(ordinal(t)?)?;
+    let flag = t.scratch(scratch::FLAG, Tag::fixed("finite flag"), true)?;
+    f(&st, flag.device_address())?;
+    let mut host = [0i32; 1];
+    st.core.download(&mut host, flag.device_address())?;
+    Ok(host[0] != 0)
 }
 
 pub fn scale(t: &mut Tensor, c: f32) -> Result<()> {
@@ -668,15 +1152,34 @@ pub fn scale(t: &mut Tensor, c: f32) -> Result<()> {
     launch(&st, "reduce", "scale", n, &[ptr(t), n64(n), Arg::F32(c)])
 }
 
-pub fn unscale(_t: &mut Tensor, _inv: f32) -> Result<bool> {
-    Err(not_yet(
-        "unscale",
-        "needs a pool scratch for the found-inf flag",
-    ))
+/// reduce.cu's `unscale` with a pool flag; one 4-byte read.
+pub fn unscale(t: &mut Tensor, inv: f32) -> Result<bool> {
+    let n = t.numel();
+    let addr = t.device_address();
+    with_flag(t, |st, flag| {
+        launch(
+            st,
+            "reduce",
+            "unscale",
+            n,
+            &[Arg::Ptr(addr), Arg::Ptr(flag), n64(n), Arg::F32(inv)],
+        )
+    })
 }
 
-pub fn all_finite(_t: &Tensor) -> Result<bool> {
-    Err(not_yet("all_finite", "needs a pool scratch for the flag"))
+/// reduce.cu's `all_finite` with a pool flag; one 4-byte read.
+pub fn all_finite(t: &Tensor) -> Result<bool> {
+    let n = t.numel();
+    let found = with_flag(t, |st, flag| {
+        launch(
+            st,
+            "reduce",
+            "all_finite",
+            n,
+            &[Arg::Ptr(flag), ptr(t), n64(n)],
+        )
+    })?;
+    Ok(!found)
 }
 
 // ---------------------------------------------------------------------------

@@ -5,8 +5,8 @@
 //! modules of [`super::KERNEL_SOURCES`], compiled for the device's
 //! `compute_XY` once per process.
 //!
-//! Not here yet: cuBLAS, cuBLASLt and cuDNN handles (the convolutions and
-//! the linear layer are not wired; see `ops`).
+//! The cuBLAS handle lives here too (made on first use); cuDNN handles,
+//! which cudarc does not let cross threads, are per thread in `dnn`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -22,6 +22,9 @@ pub struct State {
     /// The virtual architecture kernels are compiled for, e.g. `compute_90`.
     pub arch: &'static str,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    /// The cuBLAS handle on the device's stream, made on first use
+    /// (`dnn::cublas`). cuDNN handles are per thread (`dnn::cudnn`).
+    pub(super) blas: OnceLock<cudarc::cublas::CudaBlas>,
 }
 
 /// The state of device `ordinal`, started on first use (probe first: a
@@ -41,6 +44,7 @@ pub fn state(ordinal: u32) -> Result<Arc<State>> {
         core,
         arch,
         modules: Mutex::default(),
+        blas: OnceLock::new(),
     });
     map.insert(ordinal, s.clone());
     Ok(s)

@@ -1,0 +1,77 @@
+//! The pool scratch the CUDA arm takes inside an op ([`Tensor::scratch`]),
+//! in bytes, as plain arithmetic on the op's shape: the CUDA arm allocates
+//! these, and a meta device standing in for a CUDA device allocates the
+//! same (and drops them) so a plan counts them in its peak. Built in every
+//! configuration so the meta accounting does not depend on the feature.
+//!
+//! [`Tensor::scratch`]: crate::tensor::Tensor::scratch
+
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+/// `BN_CHUNK_ROWS` of kernels/batchnorm.cu (== `ops::REDUCE_CHUNK_ROWS`).
+pub const BN_CHUNK_ROWS: usize = 512;
+/// `SQ_CHUNK` of kernels/reduce.cu.
+pub const SQ_CHUNK: usize = 8192;
+
+/// BN chunk partial sums: (ceil(rows / BN_CHUNK_ROWS), 2, c) f64.
+pub fn bn_partial(rows: usize, c: usize) -> usize {
+    rows.div_ceil(BN_CHUNK_ROWS) * 2 * c * 8
+}
+
+/// BN backward's per-channel coefficients: (3, c) f32.
+pub fn bn_coefs(c: usize) -> usize {
+    3 * c * 4
+}
+
+fn a16(b: usize) -> usize {
+    b.next_multiple_of(16)
+}
+
+/// Cross-entropy over `n` rows: labels (i32), per-row losses (f64),
+/// per-row hits (i32), then the 16-byte result (f64 loss, i32 count), each
+/// region starting on 16 bytes. Offsets: see [`cross_entropy_offsets`].
+pub fn cross_entropy(n: usize) -> usize {
+    if n == 0 {
+        return 0; // nothing to compute, nothing taken
+    }
+    a16(4 * n) + a16(8 * n) + a16(4 * n) + 16
+}
+
+/// Byte offsets of (labels, row losses, row hits, result) in
+/// [`cross_entropy`]'s scratch.
+pub fn cross_entropy_offsets(n: usize) -> (usize, usize, usize, usize) {
+    let row_loss = a16(4 * n);
+    let row_correct = row_loss + a16(8 * n);
+    (0, row_loss, row_correct, row_correct + a16(4 * n))
+}
+
+/// Sum of squares over `n` values: the block partials and the total (f64).
+pub fn sum_squares(n: usize) -> usize {
+    if n == 0 {
+        return 0; // the sum is 0.0 without a launch
+    }
+    (n.div_ceil(SQ_CHUNK) + 1) * 8
+}
+
+/// The found-inf / non-finite flag (one i32).
+pub const FLAG: usize = 4;
+
+/// On a meta device standing in for a CUDA device: allocates scratch of
+/// each size in `bytes` (all live at once, as in the CUDA arm) from `t`'s
+/// pool and drops them, so the plan's peak holds them. Nothing for any
+/// other device.
+pub fn count_on_meta(t: &Tensor, bytes: &[usize]) -> Result<()> {
+    #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+    if let crate::device::Device::Meta(crate::device::Target::Cuda(_)) = t.device() {
+        let tag = || crate::accounting::Tag::fixed("cuda op scratch");
+        let held = bytes
+            .iter()
+            .map(|&b| t.scratch(b, tag(), false))
+            .collect::<Result<Vec<_>>>()?;
+        drop(held);
+    }
+    #[cfg(not(any(feature = "cuda", feature = "cuda-12")))]
+    let _ = (t, bytes);
+    Ok(())
+}
