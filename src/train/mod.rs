@@ -233,7 +233,7 @@ struct LogLines {
 impl LogLines {
     fn due(&mut self, step: usize, now: std::time::Instant) -> bool {
         let due = match self.every {
-            Some(k) => step % k.max(1) == 0,
+            Some(k) => step.is_multiple_of(k.max(1)),
             None => !self.terminal && now.duration_since(self.last) >= LOG_INTERVAL,
         };
         if due {
