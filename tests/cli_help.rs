@@ -94,6 +94,19 @@ fn plan_warns_about_the_flags_it_ignores() {
     );
     // Nothing was written.
     assert!(!save.exists() && !jsonl.exists());
+    // One --config file serves train and plan: plan warns about its
+    // training keys instead of refusing them.
+    let toml = dir.write(
+        "run.toml",
+        b"base_width = 4\nbatch_size = 8\nepochs = 2\nlog_every = 5\n",
+    );
+    let (code, out, err) = memfit(&["plan", "--config", toml.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("predicted"), "{out}");
+    assert!(
+        err.contains("warning: plan ignores --epochs, --log-every"),
+        "{err}"
+    );
     // A plan with only plan flags warns about nothing.
     let (code, _, err) = memfit(&["plan", "--base-width", "4", "--batch-size", "8"]);
     assert_eq!(code, 0, "{err}");
