@@ -659,12 +659,12 @@ pub fn train(a: &TrainConfig, plan_only: bool, out: &mut dyn Write) -> Result<()
             let mut w = || -> std::io::Result<()> {
                 writeln!(
                     out,
-                    "epoch {}: train loss {:.4}, train top-1 {:.1}%{eval}, lr {:.4}, {:.0} img/s, tracked peak {}",
+                    "epoch {}: train loss {:.4}, train top-1 {:.1}%{eval}, lr {:.4}, {} img/s, tracked peak {}",
                     r.epoch,
                     r.train_loss,
                     100.0 * r.train_top1,
                     r.lr,
-                    r.img_per_s,
+                    crate::train::fmt_rate(r.img_per_s),
                     fmt_bytes(r.memory.peak_total)
                 )?;
                 if r.skipped > 0 {

@@ -9,6 +9,7 @@ pub mod metrics;
 pub mod state;
 pub mod step;
 
+use std::io::IsTerminal;
 use std::path::PathBuf;
 
 use rand::{SeedableRng, rngs::ChaCha8Rng, seq::SliceRandom};
@@ -243,6 +244,16 @@ impl LogLines {
     }
 }
 
+/// Images per second as the epoch line and progress show them: `412`, or
+/// `3.6` below 100 (ResNet-50 at 224 on a few cores).
+pub fn fmt_rate(img_per_s: f64) -> String {
+    if img_per_s < 100.0 {
+        format!("{img_per_s:.1}")
+    } else {
+        format!("{img_per_s:.0}")
+    }
+}
+
 /// `1h02m03s`, `4m05s`, `6s`.
 fn fmt_duration(secs: f64) -> String {
     let s = secs.max(0.0).round() as u64;
@@ -302,7 +313,6 @@ fn fit_in<'scope, 'env>(
     }
     let mut metrics = MetricsWriter::open(opts.metrics_jsonl.as_deref())?
         .with_csv(opts.metrics_csv.as_deref())?;
-    use std::io::IsTerminal;
     let terminal = std::io::stderr().is_terminal();
     let mut log = LogLines {
         every: opts.log_every,
@@ -454,9 +464,9 @@ fn fit_in<'scope, 'env>(
             if (opts.progress && terminal) || line_due || metrics.is_on() {
                 let stats = pool.stats();
                 let progress = format!(
-                    "loss {:.4}, lr {lr:.4}, {:.0} img/s, tracked peak {}",
+                    "loss {:.4}, lr {lr:.4}, {} img/s, tracked peak {}",
                     loss_sum / seen as f64,
-                    seen_here as f64 / start.elapsed().as_secs_f64(),
+                    fmt_rate(seen_here as f64 / start.elapsed().as_secs_f64()),
                     crate::memory::fmt_bytes(stats.peak_total)
                 );
                 if line_due {
@@ -633,6 +643,10 @@ mod tests {
         };
         assert!(!bar.due(1, t + LOG_INTERVAL * 10));
         assert_eq!(fmt_duration(6.4), "6s");
+        assert_eq!(
+            (fmt_rate(3.62), fmt_rate(412.4)),
+            ("3.6".into(), "412".into())
+        );
         assert_eq!(fmt_duration(245.0), "4m05s");
         assert_eq!(fmt_duration(3723.0), "1h02m03s");
     }
