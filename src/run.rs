@@ -65,6 +65,11 @@ pub struct TrainConfig {
     pub shuffle: bool,
     pub eval_every: usize,
     pub metrics_jsonl: Option<PathBuf>,
+    /// `--metrics-csv`: the same metrics as CSV.
+    pub metrics_csv: Option<PathBuf>,
+    /// `--log-every`: a progress line every this many optimizer steps
+    /// when stderr is not a terminal (None: about every 30 s).
+    pub log_every: Option<usize>,
     pub init: Option<PathBuf>,
     pub reset_head: bool,
     pub save_weights: Option<PathBuf>,
@@ -121,6 +126,8 @@ pub const SAFE_TO_CHANGE: &[&str] = &[
     "workers",
     "eval-every",
     "metrics-jsonl",
+    "metrics-csv",
+    "log-every",
     "save-every-steps",
     "save-every-epochs",
     "keep-checkpoints",
@@ -348,6 +355,13 @@ fn class_names(data: &Data) -> Option<Vec<String>> {
 pub fn train(a: &TrainConfig, plan_only: bool, out: &mut dyn Write) -> Result<()> {
     if a.batch_size == 0 {
         return Err(Error::Usage("--batch-size must be at least 1".into()));
+    }
+    if a.reset_head && a.init.is_none() {
+        return Err(Error::Usage(
+            "--reset-head needs --init: it replaces the classifier (fc) of the weights --init \
+             loads; without --init every layer, the head included, starts fresh"
+                .into(),
+        ));
     }
     let budget = parse_budget(a.memory.memory_budget.as_deref())?;
     let strategy: Strategy = a.memory.checkpoint.parse()?;
@@ -598,6 +612,8 @@ pub fn train(a: &TrainConfig, plan_only: bool, out: &mut dyn Write) -> Result<()
         clip_grad_norm: a.clip_grad_norm,
         eval_every: a.eval_every,
         metrics_jsonl: a.metrics_jsonl.clone(),
+        metrics_csv: a.metrics_csv.clone(),
+        log_every: a.log_every,
         scaler,
         inject_inf_steps: Vec::new(),
         nan_policy: a.nan_policy,
@@ -643,12 +659,12 @@ pub fn train(a: &TrainConfig, plan_only: bool, out: &mut dyn Write) -> Result<()
             let mut w = || -> std::io::Result<()> {
                 writeln!(
                     out,
-                    "epoch {}: train loss {:.4}, train top-1 {:.1}%{eval}, lr {:.4}, {:.0} img/s, tracked peak {}",
+                    "epoch {}: train loss {:.4}, train top-1 {:.1}%{eval}, lr {:.4}, {} img/s, tracked peak {}",
                     r.epoch,
                     r.train_loss,
                     100.0 * r.train_top1,
                     r.lr,
-                    r.img_per_s,
+                    crate::train::fmt_rate(r.img_per_s),
                     fmt_bytes(r.memory.peak_total)
                 )?;
                 if r.skipped > 0 {

@@ -41,6 +41,8 @@ fn options(dir: &Path, max_steps: usize, resume_step: usize, f16: bool) -> Train
         clip_grad_norm: Some(5.0),
         eval_every: 1,
         metrics_jsonl: None,
+        metrics_csv: None,
+        log_every: None,
         predicted_peak: None,
         memory_trace: None,
         scaler: f16.then(|| GradScaler::new(256.0, 2)),

@@ -29,6 +29,8 @@ fn options(steps: usize, inject: Vec<usize>, metrics: Option<std::path::PathBuf>
         clip_grad_norm: Some(1.0),
         eval_every: 1,
         metrics_jsonl: metrics,
+        metrics_csv: None,
+        log_every: None,
         predicted_peak: None,
         memory_trace: None,
         scaler: Some(GradScaler::new(1024.0, 2)),

@@ -1,31 +1,54 @@
 #!/usr/bin/env python3
-"""Plot a memfit --metrics-jsonl file: mean train loss per epoch, val loss and
-val top-1 per epoch, as an SVG (standard library only). Convert to PNG with
-any SVG renderer, e.g. `convert curve.svg curve.png` (ImageMagick).
+"""Plot a memfit --metrics-jsonl or --metrics-csv file (told apart by the
+.csv ending): mean train loss per epoch, val loss and val top-1 per epoch, as
+an SVG (standard library only). Convert to PNG with any SVG renderer, e.g.
+`convert curve.svg curve.png` (ImageMagick).
 
-usage: tools/plot_metrics.py METRICS.jsonl OUT.svg [TITLE]
+usage: tools/plot_metrics.py METRICS.jsonl|METRICS.csv OUT.svg [TITLE]
 """
+import csv
 import json
+import math
 import sys
 from collections import defaultdict
 
 
-def load(path):
-    train = defaultdict(list)
-    val = {}
+def rows(path):
+    """The file's records as dicts: JSON lines, or CSV rows with the empty
+    cells left out and the numbers parsed."""
+    if path.endswith(".csv"):
+        with open(path, newline="") as f:
+            for r in csv.DictReader(f):
+                out = {}
+                for k, v in r.items():
+                    if v not in ("", None):
+                        try:
+                            out[k] = float(v)
+                        except ValueError:
+                            out[k] = v
+                if "epoch" in out:
+                    out["epoch"] = int(out["epoch"])
+                yield out
+        return
     with open(path) as f:
         for n, line in enumerate(f, 1):
             line = line.strip()
             if not line:
                 continue
             try:
-                r = json.loads(line)
+                yield json.loads(line)
             except json.JSONDecodeError as e:
                 sys.exit(f"{path}:{n}: not JSON ({e})")
-            if "val_top1" in r:
-                val[r["epoch"]] = (r["val_loss"], r["val_top1"])
-            elif "loss" in r and r["loss"] is not None:
-                train[r["epoch"]].append(r["loss"])
+
+
+def load(path):
+    train = defaultdict(list)
+    val = {}
+    for r in rows(path):
+        if "val_top1" in r:
+            val[r["epoch"]] = (r["val_loss"], r["val_top1"])
+        elif isinstance(r.get("loss"), float) and math.isfinite(r["loss"]):
+            train[r["epoch"]].append(r["loss"])
     epochs = sorted(set(train) | set(val))
     if not epochs:
         sys.exit(f"{path}: no metrics lines")

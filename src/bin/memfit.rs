@@ -90,7 +90,9 @@ enum Command {
     Eval(EvalArgs),
     /// Show the memory plan `train` would use with the same flags (per
     /// stage: kept or recomputed) and its predicted peak per category,
-    /// without training.
+    /// without training. train's other flags (--epochs, --save-dir,
+    /// --metrics-jsonl, ...) are accepted, so one --config file serves both,
+    /// and ignored with a warning; --resume DIR plans the saved run.
     #[command(args_override_self = true)]
     Plan(TrainArgs),
     /// Benchmarks.
@@ -184,6 +186,7 @@ enum BenchCommand {
 struct MaxBatchArgs {
     #[command(flatten)]
     model: ModelArgs,
+    /// Side of the square synthetic images.
     #[arg(long, default_value_t = 224)]
     image_size: usize,
     /// The budget, e.g. 4GiB.
@@ -195,13 +198,16 @@ struct MaxBatchArgs {
 struct StrategiesArgs {
     #[command(flatten)]
     model: ModelArgs,
+    /// Side of the square synthetic images.
     #[arg(long, default_value_t = 224)]
     image_size: usize,
+    /// Samples per optimizer step.
     #[arg(long, default_value_t = 16)]
     batch_size: usize,
     /// Timed steps per strategy.
     #[arg(long, default_value_t = 2)]
     steps: usize,
+    /// Untimed steps per strategy first.
     #[arg(long, default_value_t = 1)]
     warmup: usize,
     /// Run the whole list of strategies this many times, one row after the
@@ -237,8 +243,10 @@ struct ModelArgs {
     /// (conv 3x3 stride 1, no max pool: for 28x28 / 32x32 images).
     #[arg(long, value_enum, default_value = "imagenet")]
     stem: StemArg,
+    /// Classes of the head.
     #[arg(long, default_value_t = 1000)]
     num_classes: usize,
+    /// Seeds the weights and the synthetic batches.
     #[arg(long, default_value_t = 0)]
     seed: u64,
 }
@@ -247,8 +255,10 @@ struct ModelArgs {
 struct StepArgs {
     #[command(flatten)]
     model: ModelArgs,
+    /// Side of the square synthetic images.
     #[arg(long, default_value_t = 224)]
     image_size: usize,
+    /// Samples per optimizer step.
     #[arg(long, default_value_t = 16)]
     batch_size: usize,
     /// Timed steps.
@@ -416,6 +426,9 @@ struct TrainArgs {
     /// override it.
     #[arg(long)]
     config: Option<PathBuf>,
+    /// resnet18, resnet34, resnet50, resnet101 or resnet152 (torchvision's
+    /// architectures). Default with --init (train) or --weights (eval):
+    /// the model the file's metadata names.
     #[arg(long, default_value = "resnet18")]
     model: String,
     /// Channels of the stem and layer1. Default: 64, torchvision's (so
@@ -430,6 +443,7 @@ struct TrainArgs {
     stem: StemArg,
     #[command(flatten)]
     data: DataArgs,
+    /// Passes over the training set.
     #[arg(long, default_value_t = 10)]
     epochs: usize,
     /// Train for this many optimizer steps instead of --epochs (the LR
@@ -440,19 +454,27 @@ struct TrainArgs {
     /// --reset-head), else the dataset's class count.
     #[arg(long)]
     num_classes: Option<usize>,
+    /// Samples per optimizer step (split by --micro-batch or --accum-steps
+    /// into forward/backward passes whose gradients accumulate).
     #[arg(long, default_value_t = 64)]
     batch_size: usize,
+    /// sgd (with momentum, PyTorch's SGD) or adamw.
     #[arg(long, value_enum, default_value = "sgd")]
     optimizer: OptimizerKind,
+    /// Peak learning rate (after --warmup-epochs; --schedule decays it).
     #[arg(long, default_value_t = 0.05)]
     lr: f32,
+    /// SGD momentum (AdamW does not use it: its betas are 0.9, 0.999).
     #[arg(long, default_value_t = 0.9)]
     momentum: f32,
+    /// SGD: Nesterov momentum.
     #[arg(long)]
     nesterov: bool,
     /// Default 5e-4 for SGD; AdamW uses 0.01 unless given.
     #[arg(long)]
     weight_decay: Option<f32>,
+    /// LR schedule over the run's optimizer steps: constant, step (see
+    /// --step-epochs, --gamma) or cosine (to 0 at the last step).
     #[arg(long, value_enum, default_value = "cosine")]
     schedule: ScheduleKind,
     /// Linear warmup before the schedule, in epochs.
@@ -461,13 +483,18 @@ struct TrainArgs {
     /// Step schedule: multiply the LR by --gamma every this many epochs.
     #[arg(long, default_value_t = 30)]
     step_epochs: usize,
+    /// Step schedule: the LR factor every --step-epochs.
     #[arg(long, default_value_t = 0.1)]
     gamma: f32,
+    /// Label smoothing of the cross-entropy loss (PyTorch's
+    /// label_smoothing), 0 to 1.
     #[arg(long, default_value_t = 0.0)]
     label_smoothing: f32,
     /// Clip the global gradient norm to this value.
     #[arg(long)]
     clip_grad_norm: Option<f32>,
+    /// Seeds the initial weights, the shuffle, the augmentation and the
+    /// validation split.
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Keep the dataset's order instead of shuffling every epoch.
@@ -479,6 +506,17 @@ struct TrainArgs {
     /// Append one JSON object per optimizer step and per evaluation.
     #[arg(long)]
     metrics_jsonl: Option<PathBuf>,
+    /// Append the same metrics as CSV: a header (when the file is new),
+    /// one row per optimizer step, and one row per evaluation with the
+    /// training columns empty and val_loss, val_top1, val_top5 filled.
+    #[arg(long)]
+    metrics_csv: Option<PathBuf>,
+    /// When standard error is not a terminal (a log file, a pipe): write a
+    /// progress line (step, epoch, loss, LR, img/s, tracked peak, ETA)
+    /// every N optimizer steps. Default: about every 30 s. On a terminal a
+    /// progress bar is drawn instead (and these lines only with the flag).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    log_every: Option<u64>,
     /// Start from a torchvision-layout state_dict (.safetensors), memfit's
     /// saved weights or a checkpoint; --model, --base-width and --stem
     /// default to those the file's metadata names.
@@ -496,6 +534,7 @@ struct TrainArgs {
     /// SIGTERM. A directory holding another run's checkpoints is refused.
     #[arg(long)]
     save_dir: Option<PathBuf>,
+    /// With --save-dir: also save every this many optimizer steps.
     #[arg(long)]
     save_every_steps: Option<usize>,
     /// Default with --save-dir: every epoch.
@@ -527,6 +566,9 @@ struct EvalArgs {
     /// Read flags from a TOML file, as for train.
     #[arg(long)]
     config: Option<PathBuf>,
+    /// resnet18, resnet34, resnet50, resnet101 or resnet152 (torchvision's
+    /// architectures). Default with --init (train) or --weights (eval):
+    /// the model the file's metadata names.
     #[arg(long, default_value = "resnet18")]
     model: String,
     /// Channels of the stem and layer1. Default: 64, torchvision's (so
@@ -547,8 +589,10 @@ struct EvalArgs {
     weights: PathBuf,
     #[command(flatten)]
     data: DataArgs,
+    /// Images per forward pass.
     #[arg(long, default_value_t = 64)]
     batch_size: usize,
+    /// Seeds the validation split (use the training run's --seed).
     #[arg(long, default_value_t = 0)]
     seed: u64,
 }
@@ -582,7 +626,7 @@ fn expand_config(mut args: Vec<OsString>) -> Result<Vec<OsString>> {
         .position(|a| matches!(a.to_str(), Some("train" | "plan" | "eval")))
         .ok_or_else(|| anyhow::anyhow!("--config works with train, plan and eval"))?;
     let sub_name = args[sub].to_string_lossy().to_string();
-    let command = Cli::command();
+    let command = command();
     let known: Vec<String> = command
         .find_subcommand(&sub_name)
         .map(|c| {
@@ -730,7 +774,7 @@ fn bench_max_batch(a: MaxBatchArgs) -> Result<()> {
 /// (or by --config). Not --config, --resume, --help, --threads.
 fn flag_map(m: &ArgMatches, sub: &str) -> (BTreeMap<String, String>, BTreeSet<String>) {
     let (mut values, mut given) = (BTreeMap::new(), BTreeSet::new());
-    let command = Cli::command();
+    let command = command();
     let Some(c) = command.find_subcommand(sub) else {
         return (values, given);
     };
@@ -752,9 +796,51 @@ fn flag_map(m: &ArgMatches, sub: &str) -> (BTreeMap<String, String>, BTreeSet<St
     (values, given)
 }
 
+/// Flags of `train` that `plan` accepts (one argument struct serves both,
+/// so one `--config` file does too) but does not use: they change how long
+/// a run trains, what it reports or where it saves, not its memory plan.
+/// `plan --help` hides them; `plan` warns when one is given.
+const PLAN_IGNORES: &[&str] = &[
+    "clip-grad-norm",
+    "epochs",
+    "eval-every",
+    "gamma",
+    "keep-checkpoints",
+    "label-smoothing",
+    "log-every",
+    "lr",
+    "memory-trace",
+    "metrics-csv",
+    "metrics-jsonl",
+    "nan-policy",
+    "no-shuffle",
+    "save-dir",
+    "save-every-epochs",
+    "save-every-steps",
+    "save-weights",
+    "scaler-growth-interval",
+    "scaler-init",
+    "schedule",
+    "step-epochs",
+    "steps",
+    "warmup-epochs",
+    "workers",
+];
+
+/// The command-line interface: [`Cli`] with [`PLAN_IGNORES`] hidden from
+/// `plan --help`.
+fn command() -> clap::Command {
+    Cli::command().mut_subcommand("plan", |mut c| {
+        for long in PLAN_IGNORES {
+            c = c.mut_arg(long.replace('-', "_"), |a| a.hide(true));
+        }
+        c
+    })
+}
+
 /// Parses the command line.
 fn parse(args: Vec<OsString>) -> (Cli, ArgMatches) {
-    let matches = Cli::command().get_matches_from(args);
+    let matches = command().get_matches_from(args);
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     (cli, matches)
 }
@@ -770,6 +856,19 @@ fn train(
 ) -> Result<()> {
     let m = matches.subcommand_matches(sub).context("subcommand")?;
     let (values, given) = flag_map(m, sub);
+    if plan_only {
+        let ignored: Vec<String> = PLAN_IGNORES
+            .iter()
+            .filter(|f| given.contains(**f))
+            .map(|f| format!("--{f}"))
+            .collect();
+        if !ignored.is_empty() {
+            eprintln!(
+                "warning: plan ignores {} (they change training, not the memory plan)",
+                ignored.join(", ")
+            );
+        }
+    }
     if let Some(from) = &a.resume
         && let Some(saved) = run::saved_flags(from)
     {
@@ -833,6 +932,8 @@ impl TrainArgs {
             shuffle: !self.no_shuffle,
             eval_every: self.eval_every,
             metrics_jsonl: self.metrics_jsonl.clone(),
+            metrics_csv: self.metrics_csv.clone(),
+            log_every: self.log_every.map(|n| n as usize),
             init: self.init.clone(),
             reset_head: self.reset_head,
             save_weights: self.save_weights.clone(),
@@ -878,4 +979,54 @@ fn eval(a: EvalArgs, matches: &ArgMatches) -> Result<()> {
         seed: a.seed,
     };
     Ok(run::eval(&config, &mut Stdout)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every argument of every command and subcommand, with its path.
+    fn arguments(c: &clap::Command, path: &str, out: &mut Vec<(String, clap::Arg)>) {
+        for a in c.get_arguments() {
+            out.push((format!("{path} --{}", a.get_id()), a.clone()));
+        }
+        for sub in c.get_subcommands() {
+            arguments(sub, &format!("{path} {}", sub.get_name()), out);
+        }
+    }
+
+    #[test]
+    fn every_flag_of_every_command_has_help() {
+        let mut c = command();
+        c.build();
+        let mut all = Vec::new();
+        arguments(&c, "memfit", &mut all);
+        assert!(all.len() > 50, "{}", all.len());
+        let missing: Vec<&String> = all
+            .iter()
+            .filter(|(_, a)| a.get_help().is_none_or(|h| h.to_string().trim().is_empty()))
+            .map(|(p, _)| p)
+            .collect();
+        assert!(missing.is_empty(), "arguments without help: {missing:?}");
+    }
+
+    #[test]
+    fn plan_hides_only_flags_train_has() {
+        let c = command();
+        c.clone().debug_assert();
+        let plan = c.find_subcommand("plan").unwrap();
+        let train = c.find_subcommand("train").unwrap();
+        for long in PLAN_IGNORES {
+            let id = long.replace('-', "_");
+            assert!(
+                plan.get_arguments()
+                    .any(|a| a.get_id() == id.as_str() && a.is_hide_set())
+            );
+            assert!(
+                train
+                    .get_arguments()
+                    .any(|a| a.get_id() == id.as_str() && !a.is_hide_set())
+            );
+        }
+    }
 }

@@ -1,5 +1,9 @@
-//! The `--metrics-jsonl` observer: one JSON object per optimizer step and
-//! one per evaluation, appended to a file.
+//! The `--metrics-jsonl` and `--metrics-csv` observer: one JSON object (one
+//! CSV row) per optimizer step and one per evaluation, appended to a file.
+//!
+//! The CSV file is one table: a header when the file is new, then a row per
+//! step with the `val_*` columns empty, and a row per evaluation with only
+//! `step`, `epoch` and the `val_*` columns filled.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -14,23 +18,62 @@ use super::step::StepReport;
 /// Appends metrics lines to a file; does nothing without one.
 pub struct MetricsWriter {
     out: Option<(BufWriter<File>, PathBuf)>,
+    csv: Option<(BufWriter<File>, PathBuf)>,
+}
+
+/// Opens `p` for appending (created when missing); true if it was empty.
+fn open_append(p: &Path) -> Result<(BufWriter<File>, bool)> {
+    let f = File::options()
+        .create(true)
+        .append(true)
+        .open(p)
+        .map_err(|e| io_error(p, e))?;
+    let empty = f.metadata().map_err(|e| io_error(p, e))?.len() == 0;
+    Ok((BufWriter::new(f), empty))
+}
+
+/// The CSV header: the step columns, then the evaluation's.
+fn csv_header() -> String {
+    let mut h = "step,epoch,loss,lr,img_per_s,grad_norm,scale,found_inf,skipped,peak_bytes,predicted_peak_bytes".to_string();
+    for c in Category::ALL {
+        h += &format!(",peak_{}_bytes", c.name());
+    }
+    h + ",val_loss,val_top1,val_top5"
 }
 
 impl MetricsWriter {
     /// Opens `path` for appending (created when missing).
     pub fn open(path: Option<&Path>) -> Result<Self> {
         let out = match path {
-            Some(p) => {
-                let f = File::options()
-                    .create(true)
-                    .append(true)
-                    .open(p)
-                    .map_err(|e| io_error(p, e))?;
-                Some((BufWriter::new(f), p.to_path_buf()))
-            }
+            Some(p) => Some((open_append(p)?.0, p.to_path_buf())),
             None => None,
         };
-        Ok(MetricsWriter { out })
+        Ok(MetricsWriter { out, csv: None })
+    }
+
+    /// Also appends CSV rows to `path` (the header first if it is empty).
+    pub fn with_csv(mut self, path: Option<&Path>) -> Result<Self> {
+        if let Some(p) = path {
+            let (mut w, empty) = open_append(p)?;
+            if empty {
+                writeln!(w, "{}", csv_header()).map_err(|e| io_error(p, e))?;
+            }
+            self.csv = Some((w, p.to_path_buf()));
+        }
+        Ok(self)
+    }
+
+    /// Whether anything is written (else the callers need not gather the
+    /// values).
+    pub fn is_on(&self) -> bool {
+        self.out.is_some() || self.csv.is_some()
+    }
+
+    fn write_csv(&mut self, row: std::fmt::Arguments<'_>) -> Result<()> {
+        if let Some((w, p)) = self.csv.as_mut() {
+            writeln!(w, "{row}").map_err(|e| io_error(p, e))?;
+        }
+        Ok(())
     }
 
     fn write(&mut self, line: std::fmt::Arguments<'_>) -> Result<()> {
@@ -52,6 +95,25 @@ impl MetricsWriter {
         memory: &MemoryStats,
         predicted_peak: Option<usize>,
     ) -> Result<()> {
+        if self.csv.is_some() {
+            let opt = |v: Option<String>| v.unwrap_or_default();
+            let mut row = format!(
+                "{step},{epoch},{},{},{},{},{},{},{},{},{}",
+                r.loss,
+                lr,
+                r.samples as f64 / secs,
+                opt(r.grad_norm.map(|g| g.to_string())),
+                opt(r.scaled.map(|s| s.scale.to_string())),
+                opt(r.scaled.map(|s| s.found_inf.to_string())),
+                r.scaled.map_or(r.dropped.is_some(), |s| s.skipped),
+                memory.peak_total,
+                opt(predicted_peak.map(|p| p.to_string())),
+            );
+            for c in Category::ALL {
+                row += &format!(",{}", memory.peak.get(c));
+            }
+            self.write_csv(format_args!("{row},,,"))?;
+        }
         if self.out.is_none() {
             return Ok(());
         }
@@ -82,6 +144,16 @@ impl MetricsWriter {
 
     /// The line of an evaluation after `epoch` (optimizer step `step`).
     pub fn eval(&mut self, epoch: usize, step: usize, e: &EvalReport) -> Result<()> {
+        if self.csv.is_some() {
+            // Empty step columns: 9 after epoch, the memory ones, then val_*.
+            let empty = ",".repeat(9 + Category::ALL.len());
+            self.write_csv(format_args!(
+                "{step},{epoch}{empty},{},{},{}",
+                e.loss,
+                e.top1,
+                e.top5.map_or(String::new(), |t| t.to_string())
+            ))?;
+        }
         self.write(format_args!(
             "{{\"epoch\":{epoch},\"step\":{step},\"val_loss\":{},\"val_top1\":{},\"val_top5\":{}}}",
             num(e.loss),
@@ -91,7 +163,7 @@ impl MetricsWriter {
     }
 
     pub fn flush(&mut self) -> Result<()> {
-        if let Some((w, p)) = self.out.as_mut() {
+        for (w, p) in self.out.iter_mut().chain(self.csv.iter_mut()) {
             w.flush().map_err(|e| io_error(p, e))?;
         }
         Ok(())
@@ -123,4 +195,16 @@ fn memory_fields(m: &MemoryStats, predicted: Option<usize>) -> String {
         s += &format!(",\"peak_{}_bytes\":{}", c.name(), m.peak.get(c));
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn csv_rows_have_as_many_columns_as_the_header() {
+        let header = csv_header().split(',').count();
+        // step,epoch + 9 step columns + memory + 3 val columns.
+        assert_eq!(header, 2 + 9 + Category::ALL.len() + 3);
+    }
 }
