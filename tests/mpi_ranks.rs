@@ -56,6 +56,8 @@ fn options(shuffle: bool, epochs: usize) -> TrainOptions {
         clip_grad_norm: Some(1.0),
         eval_every: 1,
         metrics_jsonl: None,
+        metrics_csv: None,
+        log_every: None,
         predicted_peak: None,
         memory_trace: None,
         scaler: None,
