@@ -36,30 +36,20 @@ impl Precision {
     /// Rounds every host value to the nearest value of this type (ties to
     /// even; f16 overflows to ±inf as a real f16 op would). No-op for fp32.
     pub fn round(self, v: &mut [f32]) {
-        round_slice(self, v)
+        if let Some(round) = self.chunk_round() {
+            v.par_chunks_mut(CHUNK).for_each(round);
+        }
     }
 
     /// [`Precision::round`] on one chunk, on the calling thread: what a
     /// CPU kernel applies to each chunk of its output as it finishes it
     /// ([`RoundChunk`]). `None` for fp32.
     pub fn chunk_round(self) -> RoundChunk {
-        chunk_round(self)
-    }
-}
-
-/// See [`Precision::chunk_round`].
-pub fn chunk_round(p: Precision) -> RoundChunk {
-    match p {
-        Precision::F32 => None,
-        Precision::BF16 => Some(round_to_bf16),
-        Precision::F16 => Some(round_to_f16),
-    }
-}
-
-/// See [`Precision::round`].
-pub fn round_slice(p: Precision, v: &mut [f32]) {
-    if let Some(round) = chunk_round(p) {
-        v.par_chunks_mut(CHUNK).for_each(round);
+        match self {
+            Precision::F32 => None,
+            Precision::BF16 => Some(round_to_bf16),
+            Precision::F16 => Some(round_to_f16),
+        }
     }
 }
 
@@ -543,8 +533,8 @@ pub(super) fn copy_from_host(t: &mut Tensor, values: &[f32]) {
     t.f32_mut().copy_from_slice(values);
 }
 
-pub(super) fn copy_to_host(t: &Tensor) -> Vec<f32> {
-    t.f32().to_vec()
+pub(super) fn copy_to_host_into(dst: &mut [f32], t: &Tensor) {
+    dst.copy_from_slice(t.f32());
 }
 
 pub(super) fn copy(dst: &mut Tensor, src: &Tensor) {

@@ -38,8 +38,6 @@ use crate::ops::conv2d::ConvGeom;
 use crate::ops::maxpool::PoolGeom;
 use crate::tensor::{DType, Precision, Tensor};
 
-pub use cpu::{chunk_round, round_slice};
-
 /// Which pass of a convolution a workspace is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ConvPass {
@@ -668,14 +666,30 @@ pub fn copy_from_host(t: &mut Tensor, values: &[f32]) -> Result<()> {
     Ok(())
 }
 
+/// Writes the values of f32 `t` into the host slice `dst` (zeros on the
+/// meta device), so a caller that copies every step can reuse its buffer.
+pub fn copy_to_host_into(dst: &mut [f32], t: &Tensor) -> Result<()> {
+    if dst.len() != t.numel() {
+        return Err(Error::ShapeMismatch {
+            op: "copy_to_host",
+            expected: format!("{} values for {:?}", t.numel(), t.dims()),
+            got: dst.len().to_string(),
+        });
+    }
+    match t.device() {
+        Device::Cpu => cpu::copy_to_host_into(dst, t),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(_) => cuda::ops::copy_to_host_into(dst, t)?,
+        Device::Meta(_) => dst.fill(0.0),
+    }
+    Ok(())
+}
+
 /// The values of f32 `t` on the host (zeros on the meta device).
 pub fn copy_to_host(t: &Tensor) -> Result<Vec<f32>> {
-    Ok(match t.device() {
-        Device::Cpu => cpu::copy_to_host(t),
-        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => cuda::ops::copy_to_host(t)?,
-        Device::Meta(_) => vec![0.0; t.numel()],
-    })
+    let mut out = vec![0.0; t.numel()];
+    copy_to_host_into(&mut out, t)?;
+    Ok(out)
 }
 
 /// `dst = src` for two f32 tensors of the same length.

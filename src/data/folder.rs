@@ -147,14 +147,15 @@ fn walk_class(class_dir: &Path, left_out: &mut Vec<LeftOut>) -> Result<Vec<PathB
         }
         let mut files = Vec::new();
         for (name, kind) in list(&dir)? {
-            let image_like = is_image(&name) || has_extension(&name, &UNSUPPORTED_IMAGE_EXTENSIONS);
+            let decodable = is_image(&name);
+            let image_like = decodable || has_extension(&name, &UNSUPPORTED_IMAGE_EXTENSIONS);
             match kind {
                 Kind::Dir => stack.push(dir.join(&name)),
                 Kind::Special if image_like => left_out.push(LeftOut {
                     path: dir.join(&name),
                     reason: "not a regular file (a FIFO, socket or device): never opened",
                 }),
-                Kind::File if is_image(&name) => files.push(name),
+                Kind::File if decodable => files.push(name),
                 Kind::File if image_like => left_out.push(LeftOut {
                     path: dir.join(&name),
                     reason: "a format memfit cannot decode (only JPEG and PNG)",

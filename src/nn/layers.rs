@@ -271,15 +271,15 @@ impl BatchNorm {
         mode: Mode,
         field: &'static str,
     ) -> Result<(Tensor, BnStats)> {
-        let low = self.relu_out_in_bf16(ctx.precision);
+        let low = self.relu_out_in_bf16(ctx);
         self.forward_as(ctx, x, true, mode, field, low)
     }
 
     /// Whether a BN+ReLU feeding a convolution writes bf16
     /// ([`BatchNorm::forward_relu_for_conv`]).
-    fn relu_out_in_bf16(&self, p: Precision) -> bool {
-        p == Precision::BF16
-            && self.running_mean.device().capabilities().native_bf16
+    fn relu_out_in_bf16(&self, ctx: &Ctx<'_>) -> bool {
+        ctx.precision == Precision::BF16
+            && ctx.device().capabilities().native_bf16
             && self.c.is_multiple_of(2)
     }
 
@@ -306,7 +306,7 @@ impl BatchNorm {
             };
             return Ok((y, stats, store(ctx, x, sp)?));
         }
-        let bf16_out = relu_for_conv && self.relu_out_in_bf16(ctx.precision);
+        let bf16_out = relu_for_conv && self.relu_out_in_bf16(ctx);
         let stats = self.stats(ctx, &x, mode)?;
         let tag = Tag::new(&self.name, field);
         let mut y = if bf16_out {

@@ -53,10 +53,9 @@ impl GradSync {
         let mut res = Ok(());
         model.visit_params(|p| {
             if !p.frozen && res.is_ok() {
-                match backend::copy_to_host(&p.grad) {
-                    Ok(g) => self.flat.extend_from_slice(&g),
-                    Err(e) => res = Err(e),
-                }
+                let at = self.flat.len();
+                self.flat.resize(at + p.grad.numel(), 0.0);
+                res = backend::copy_to_host_into(&mut self.flat[at..], &p.grad);
             }
         });
         res?;

@@ -361,17 +361,14 @@ pub fn save_state(
     }
     let (buffers, steps) = optimizer.state();
     // Host copies of the optimizer state, whatever device it lives on.
-    let mut host = Vec::with_capacity(buffers.len());
-    for (n, t) in &buffers {
-        host.push((
-            n.clone(),
-            t.dims().to_vec(),
-            crate::backend::copy_to_host(t)?,
-        ));
-    }
-    let extras: Vec<(String, Vec<usize>, &[f32])> = host
+    let host = buffers
         .iter()
-        .map(|(n, d, v)| (n.clone(), d.clone(), v.as_slice()))
+        .map(|(_, t)| crate::backend::copy_to_host(t))
+        .collect::<Result<Vec<_>>>()?;
+    let extras: Vec<(String, Vec<usize>, &[f32])> = buffers
+        .iter()
+        .zip(&host)
+        .map(|((n, t), v)| (n.clone(), t.dims().to_vec(), v.as_slice()))
         .collect();
     let mut meta = saving.metadata.clone();
     meta.extend([

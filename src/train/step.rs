@@ -248,18 +248,21 @@ struct BnState {
     counts: Vec<i64>,
 }
 
-/// Copies every batch norm running statistic and counter into `out` (on
-/// the host: the roll-back copy is small, and taken once per step only
-/// under `--nan-policy skip`).
+/// Copies every batch norm running statistic and counter into `out`, on
+/// the host (the roll-back copy is small; it is taken every step trained
+/// without a loss scaler, into buffers kept from the last step).
 fn save_buffers(model: &mut ResNet, out: &mut BnState) -> Result<()> {
     out.stats.clear();
     out.counts.clear();
     let mut res = Ok(());
     model.visit_state(|slot| match slot {
-        StateSlot::Buffer { tensor, .. } => match backend::copy_to_host(tensor) {
-            Ok(v) => out.stats.extend_from_slice(&v),
-            Err(e) => res = Err(e),
-        },
+        StateSlot::Buffer { tensor, .. } => {
+            let at = out.stats.len();
+            out.stats.resize(at + tensor.numel(), 0.0);
+            if let Err(e) = backend::copy_to_host_into(&mut out.stats[at..], tensor) {
+                res = Err(e);
+            }
+        }
         StateSlot::Count { value, .. } => out.counts.push(*value),
         StateSlot::Param { .. } => {}
     });

@@ -1190,11 +1190,10 @@ pub fn copy_from_host(t: &mut Tensor, values: &[f32]) -> Result<()> {
     Ok(st.core.upload(t.device_address(), values)?)
 }
 
-pub fn copy_to_host(t: &Tensor) -> Result<Vec<f32>> {
+pub fn copy_to_host_into(dst: &mut [f32], t: &Tensor) -> Result<()> {
     let st = state(ordinal(t)?)?;
-    let mut out = vec![0.0f32; t.numel()];
-    st.core.download(&mut out, t.device_address())?;
-    Ok(out)
+    st.core.download(dst, t.device_address())?;
+    Ok(())
 }
 
 pub fn copy(dst: &mut Tensor, src: &Tensor) -> Result<()> {
