@@ -13,11 +13,13 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::path::PathBuf;
+use std::rc::Rc;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use crate::data::{Data, DataOptions, Dataset, load_data};
+use crate::dist::{Collective, Single, check_same_config};
 use crate::error::{Error, Result};
 use crate::io::{ModelMeta, TensorFile, fc_rows, load_torchvision, save_state_dict_with};
 use crate::memory::{Category, MemoryStats, Pool, fmt_bytes, parse_bytes};
@@ -32,7 +34,7 @@ use crate::train::state::{
     self, FingerprintInputs, RUN_CONFIG_KEY, StateSaving, check_save_dir, check_save_dir_owner,
     load_state_ignoring, new_run_id, run_fingerprint,
 };
-use crate::train::{NanPolicy, TrainOptions, evaluate, fit};
+use crate::train::{NanPolicy, TrainOptions, evaluate, fit_distributed};
 
 /// The model of a run when neither `--model` nor `--init`'s metadata says.
 pub const DEFAULT_MODEL: &str = "resnet18";
@@ -353,9 +355,36 @@ fn class_names(data: &Data) -> Option<Vec<String>> {
 /// `memfit train`, or with `plan_only` just the plan report (`memfit
 /// plan`). Report lines go to `out`; notes and warnings to stderr.
 pub fn train(a: &TrainConfig, plan_only: bool, out: &mut dyn Write) -> Result<()> {
+    train_on(a, plan_only, Rc::new(Single), out)
+}
+
+/// [`train`] as one process of a data-parallel run over `comm` (see
+/// `train::dist`): every process calls it with the same flags. Each plans
+/// for its shard of the batch (`⌈batch / processes⌉` samples, the bucket
+/// buffers of the gradient sum counted) within its own `--memory-budget`;
+/// the processes' configurations are compared before the first step;
+/// only rank 0 writes report lines, notes and files.
+pub fn train_on(
+    a: &TrainConfig,
+    plan_only: bool,
+    comm: Rc<dyn Collective>,
+    out: &mut dyn Write,
+) -> Result<()> {
+    let (root, processes) = (comm.is_root(), comm.size());
+    let mut sink = std::io::sink();
+    let out: &mut dyn Write = if root { out } else { &mut sink };
     if a.batch_size == 0 {
         return Err(Error::Usage("--batch-size must be at least 1".into()));
     }
+    if a.batch_size < processes {
+        return Err(Error::Usage(format!(
+            "--batch-size {} is smaller than the {processes} processes of the run: each process trains on its share of every batch, so the batch needs at least one sample per process",
+            a.batch_size
+        )));
+    }
+    // What one process trains on per optimizer step (rank 0's share, the
+    // largest when the batch does not divide evenly).
+    let shard_batch = a.batch_size.div_ceil(processes);
     if a.reset_head && a.init.is_none() {
         return Err(Error::Usage(
             "--reset-head needs --init: it replaces the classifier (fc) of the weights --init \
@@ -367,7 +396,13 @@ pub fn train(a: &TrainConfig, plan_only: bool, out: &mut dyn Write) -> Result<()
     let strategy: Strategy = a.memory.checkpoint.parse()?;
     let fixed_precision = parse_precision(&a.memory.precision)?;
     let micro_batch =
-        requested_micro_batch(a.batch_size, a.memory.micro_batch, a.memory.accum_steps)?;
+        requested_micro_batch(shard_batch, a.memory.micro_batch, a.memory.accum_steps)?;
+    if let Some(m) = micro_batch.filter(|&m| processes > 1 && m > shard_batch) {
+        return Err(Error::Usage(format!(
+            "--micro-batch {m} is larger than each process's share of the batch ({shard_batch} of {} over {processes} processes)",
+            a.batch_size
+        )));
+    }
     let bn = a.memory.bn;
     let pool = Pool::new();
     let data = load_data(&a.data, a.seed)?;
@@ -416,6 +451,13 @@ pub fn train(a: &TrainConfig, plan_only: bool, out: &mut dyn Write) -> Result<()
         train_set.len(),
         val_set.len(),
     );
+    if processes > 1 {
+        line!(
+            out,
+            "data-parallel over {processes} processes: each trains on up to {shard_batch} of every batch of {} and plans its own memory",
+            a.batch_size
+        );
+    }
     let steps_per_epoch = train_set.len().div_ceil(a.batch_size.max(1));
     let epochs = match a.steps {
         Some(steps) => steps.div_ceil(steps_per_epoch),
@@ -437,20 +479,21 @@ pub fn train(a: &TrainConfig, plan_only: bool, out: &mut dyn Write) -> Result<()
         config: &model.config,
         bn,
         optimizer: &optimizer,
-        batch: a.batch_size,
+        batch: shard_batch,
         micro_batch,
         image_size: size,
         budget,
         strategy,
         auto_precision: fixed_precision.is_none(),
         time_model: a.memory.time_model.parse()?,
+        processes,
     })?;
     model.set_precision(resolved.precision);
     if plan_only {
-        write!(out, "{}", report(&resolved, a.batch_size)).map_err(io_out)?;
+        write!(out, "{}", report(&resolved, shard_batch)).map_err(io_out)?;
         return Ok(());
     }
-    check_bn_values(&model, bn, a.batch_size, resolved.micro_batch, size)?;
+    check_bn_values(&model, bn, shard_batch, resolved.micro_batch, size)?;
     // The state file a resumed run continues, and its run (None: a file of
     // the format before run ids).
     let resumed_meta = match &a.resume {
@@ -487,7 +530,7 @@ pub fn train(a: &TrainConfig, plan_only: bool, out: &mut dyn Write) -> Result<()
         "plan: {} at micro-batch {} x {} step(s), {}{}; predicted peak {}",
         resolved.plan,
         resolved.micro_batch,
-        resolved.accum_steps(a.batch_size),
+        resolved.accum_steps(shard_batch),
         resolved.precision,
         if resolved.recompute_bn_relu {
             ", BN+ReLU recomputed"
@@ -496,7 +539,7 @@ pub fn train(a: &TrainConfig, plan_only: bool, out: &mut dyn Write) -> Result<()
         },
         fmt_bytes(resolved.predicted.peak_total)
     );
-    if let Some(note) = bf16_emulation_note(resolved.precision) {
+    if let Some(note) = bf16_emulation_note(resolved.precision).filter(|_| root) {
         eprintln!("{note}");
     }
     if a.memory.scaler_init.is_nan() || a.memory.scaler_init <= 0.0 {
@@ -532,7 +575,21 @@ pub fn train(a: &TrainConfig, plan_only: bool, out: &mut dyn Write) -> Result<()
         clip_grad_norm: a.clip_grad_norm,
         seed: a.seed,
         shuffle: a.shuffle,
+        processes,
     });
+    // Every process must train the same run on the same data: compared
+    // before the first step, an error on every process if not.
+    if processes > 1 {
+        check_same_config(
+            comm.as_ref(),
+            &format!(
+                "{fingerprint}; train_images={}; val_images={}; plan={}",
+                train_set.len(),
+                val_set.len(),
+                resolved.plan
+            ),
+        )?;
+    }
     let mut scaler = scaler;
     let (mut resume_step, mut resume_sums) = (0, None);
     if let Some(from) = &a.resume {
@@ -637,13 +694,14 @@ pub fn train(a: &TrainConfig, plan_only: bool, out: &mut dyn Write) -> Result<()
     };
     let start = Instant::now();
     let mut failed = None;
-    let reports = fit(
+    let reports = fit_distributed(
         &mut model,
         &pool,
         &mut optimizer,
         train_set,
         val_set,
         &opts,
+        comm.clone(),
         |r| {
             if failed.is_some() {
                 return;
@@ -702,7 +760,7 @@ pub fn train(a: &TrainConfig, plan_only: bool, out: &mut dyn Write) -> Result<()
     if let Some(path) = &a.memory.memory_trace {
         line!(out, "memory trace written to {}", path.display());
     }
-    if let Some(path) = &a.save_weights {
+    if let Some(path) = a.save_weights.as_ref().filter(|_| root) {
         save_state_dict_with(&mut model, &[], meta.to_metadata(), path)?;
         line!(out, "saved weights to {}", path.display());
     }

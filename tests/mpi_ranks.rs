@@ -148,6 +148,7 @@ fn reference(size: usize, data: &dyn Dataset, epochs: usize) -> Vec<Vec<f32>> {
                         &b.images,
                         data.image_hw(),
                         &b.labels,
+                        b.labels.len(),
                         step,
                         false,
                     )

@@ -541,6 +541,19 @@ pub(super) fn copy(dst: &mut Tensor, src: &Tensor) {
     dst.f32_mut().copy_from_slice(src.f32());
 }
 
+pub(super) fn copy_range(dst: &mut Tensor, dst_at: usize, src: &Tensor, src_at: usize, len: usize) {
+    dst.f32_mut()[dst_at..dst_at + len].copy_from_slice(&src.f32()[src_at..src_at + len]);
+}
+
+pub(super) fn all_reduce_sum(
+    comm: &dyn crate::dist::Collective,
+    recv: &mut Tensor,
+    send: &Tensor,
+    len: usize,
+) -> crate::error::Result<()> {
+    comm.sum_f32(&send.f32()[..len], &mut recv.f32_mut()[..len])
+}
+
 #[cfg(test)]
 mod tests {
     use super::chunk_is_finite;

@@ -703,6 +703,68 @@ pub fn copy(dst: &mut Tensor, src: &Tensor) -> Result<()> {
     Ok(())
 }
 
+/// `dst[dst_at..dst_at + len] = src[src_at..src_at + len]` for two f32
+/// tensors (elements): how gradients are packed into and unpacked from the
+/// data-parallel all-reduce buckets.
+pub fn copy_range(
+    dst: &mut Tensor,
+    dst_at: usize,
+    src: &Tensor,
+    src_at: usize,
+    len: usize,
+) -> Result<()> {
+    if dst_at + len > dst.numel() || src_at + len > src.numel() {
+        return Err(Error::ShapeMismatch {
+            op: "copy_range",
+            expected: format!(
+                "{len} values within {} ({}) and {} ({})",
+                dst.tag(),
+                dst.numel(),
+                src.tag(),
+                src.numel()
+            ),
+            got: format!("offsets {dst_at} and {src_at}"),
+        });
+    }
+    match dst.device() {
+        Device::Cpu => cpu::copy_range(dst, dst_at, src, src_at, len),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(_) => cuda::ops::copy_range(dst, dst_at, src, src_at, len)?,
+        Device::Meta(_) => {}
+    }
+    Ok(())
+}
+
+/// `recv[..len]` = the sum over every rank of `comm` of its `send[..len]`
+/// (f32 tensors; data-parallel gradient buckets). On the CPU the
+/// collective reads and writes the pool's bytes in place; on the meta
+/// device nothing moves (a plan only counts the buckets). CUDA tensors
+/// need NCCL, which is not built yet: an error, refused before training
+/// starts.
+pub fn all_reduce_sum(
+    comm: &dyn crate::dist::Collective,
+    recv: &mut Tensor,
+    send: &Tensor,
+    len: usize,
+) -> Result<()> {
+    if len > send.numel() || len > recv.numel() {
+        return Err(Error::ShapeMismatch {
+            op: "all_reduce_sum",
+            expected: format!("at most {} values", send.numel().min(recv.numel())),
+            got: len.to_string(),
+        });
+    }
+    match recv.device() {
+        Device::Cpu => cpu::all_reduce_sum(comm, recv, send, len),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Device::Cuda(_) => Err(Error::invalid(
+            "data-parallel training",
+            "summing gradients on a CUDA device needs NCCL, which this build does not have",
+        )),
+        Device::Meta(_) => Ok(()),
+    }
+}
+
 /// Waits until every kernel queued on `device` has finished (the CPU's run
 /// synchronously: nothing to wait for).
 pub fn synchronize(device: Device) -> Result<()> {

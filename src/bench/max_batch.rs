@@ -87,6 +87,7 @@ pub fn largest_batch(
             auto_precision: false,
             // Only whether a plan fits matters here, and that is bytes alone.
             time_model: TimeModel::Flops,
+            processes: 1,
         };
         match resolve(&request) {
             Ok(r) => Ok(Some(r.predicted.peak_total)),

@@ -14,7 +14,7 @@ pub use max_batch::{
     MaxBatchRow, MaxBatchStrategy, format_max_batch_header, format_max_batch_row, largest_batch,
     max_batch_strategies,
 };
-pub use step::{StepOptions, StepResult, format_profile, measure_steps};
+pub use step::{StepOptions, StepResult, format_profile, measure_steps, measure_steps_on};
 pub use strategies::{
     StrategiesOptions, StrategyRow, format_strategies, pytorch_rows, run_strategies, strategy_rows,
 };

@@ -3,15 +3,17 @@
 //! plan, with the tracked peak per category and the prediction beside it.
 
 use std::io::Write;
+use std::rc::Rc;
 use std::time::Instant;
 
 use super::outln;
 use crate::data::SyntheticGratings;
+use crate::dist::{Collective, Single};
 use crate::error::{Error, Result};
 use crate::memory::{MemoryStats, Pool, fmt_bytes};
 use crate::nn::{BnPolicy, Precision, ResNet};
 use crate::optim::Sgd;
-use crate::plan::{PlanRequest, resolve, simulate_training};
+use crate::plan::{PlanRequest, resolve, simulate_processes};
 use crate::setup::{ModelSpec, bf16_emulation_note, parse_precision};
 use crate::train::step::{StepPolicy, TrainStep};
 use crate::train::{NanPolicy, Optimizer};
@@ -54,17 +56,46 @@ pub struct StepResult {
     pub median_seconds: f64,
     pub measured: MemoryStats,
     pub predicted: usize,
+    /// Processes of the run (1 without MPI).
+    pub processes: usize,
+    /// Median seconds per step rank 0 spent summing gradients, with more
+    /// than one process.
+    pub allreduce_seconds: Option<f64>,
 }
 
 /// Runs warm-up + timed steps of `a` on a fixed synthetic batch, reporting
 /// the model, plan, (with `verbose`) every step, allocations and the
 /// median time to `out`.
 pub fn measure_steps(a: &StepOptions, verbose: bool, out: &mut dyn Write) -> Result<StepResult> {
+    measure_steps_on(a, verbose, out, Rc::new(Single))
+}
+
+/// [`measure_steps`] as one process of a data-parallel run over `comm`
+/// (`mpirun -np N memfit bench step`): `--batch-size` is the global
+/// batch, each process trains on its shard and the gradients are summed
+/// as in `train`. Images per second are the whole batch's; the time spent
+/// summing gradients is reported beside the step time. Only rank 0
+/// writes to `out`.
+pub fn measure_steps_on(
+    a: &StepOptions,
+    verbose: bool,
+    out: &mut dyn Write,
+    comm: Rc<dyn Collective>,
+) -> Result<StepResult> {
     if a.batch_size == 0 || a.steps == 0 {
         return Err(Error::Usage(
             "--batch-size and --steps must be at least 1".into(),
         ));
     }
+    let (rank, processes) = (comm.rank(), comm.size());
+    if a.batch_size < processes {
+        return Err(Error::Usage(format!(
+            "--batch-size {} is smaller than the {processes} processes: each needs at least one sample",
+            a.batch_size
+        )));
+    }
+    let mut sink = std::io::sink();
+    let out: &mut dyn Write = if comm.is_root() { out } else { &mut sink };
     let budget = a.memory_budget;
     let pool = Pool::new();
     let mut config = a.model.config()?;
@@ -75,15 +106,24 @@ pub fn measure_steps(a: &StepOptions, verbose: bool, out: &mut dyn Write) -> Res
     model.check_image_size(a.image_size, a.image_size)?;
     let params = model.param_count();
     let (n, s) = (a.batch_size, a.image_size);
+    // This process's samples of the batch, and the most any process has
+    // (rank 0's), which the plan is made for.
+    let part = crate::dist::shard(n, rank, processes);
+    let planned = n.div_ceil(processes);
     outln!(
         out,
-        "{} (base width {}, {:?} stem), {params} parameters, batch {n} at {s}x{s}, {} threads",
+        "{} (base width {}, {:?} stem), {params} parameters, batch {n} at {s}x{s}, {} threads{}",
         a.model.name,
         a.model.base_width,
         a.model.stem,
-        rayon::current_num_threads()
+        rayon::current_num_threads(),
+        if processes > 1 {
+            format!(" per process, {processes} processes ({planned} images each)")
+        } else {
+            String::new()
+        }
     );
-    let predicted_saved: usize = model.saved_bytes_per_stage(n, s, s).iter().sum();
+    let predicted_saved: usize = model.saved_bytes_per_stage(planned, s, s).iter().sum();
     outln!(
         out,
         "saved activations (closed form): {}",
@@ -92,29 +132,34 @@ pub fn measure_steps(a: &StepOptions, verbose: bool, out: &mut dyn Write) -> Res
 
     // A fixed synthetic batch, as the PyTorch baseline uses.
     let data = SyntheticGratings::generate(n, s, a.model.num_classes.min(1000), 1);
-    let labels = data.labels.clone();
+    let px = s * s * 3;
+    let images = &data.images[part.start * px..part.end * px];
+    let labels = data.labels[part.clone()].to_vec();
     let resolved = resolve(&PlanRequest {
         config: &model.config,
         bn: BnPolicy::Batch,
         optimizer: &Optimizer::Sgd(Sgd::new(0.1, 0.9, 0.0, false)),
-        batch: n,
+        batch: planned,
         micro_batch: a.micro_batch,
         image_size: s,
         budget,
         strategy: a.checkpoint.parse()?,
         auto_precision: fixed_precision.is_none(),
         time_model: a.time_model.parse()?,
+        processes,
     })?;
     model.set_precision(resolved.precision);
     let (plan, micro) = (resolved.plan.clone(), resolved.micro_batch);
     // The bench runs training steps only: predict those, without evaluation.
-    let predicted = simulate_training(
+    let predicted = simulate_processes(
         &model.config,
         BnPolicy::Batch,
         &Optimizer::Sgd(Sgd::new(0.1, 0.9, 0.0, false)),
         &plan,
         micro,
         s,
+        true,
+        processes,
     )?
     .peak_total;
     outln!(
@@ -128,7 +173,7 @@ pub fn measure_steps(a: &StepOptions, verbose: bool, out: &mut dyn Write) -> Res
         },
         fmt_bytes(predicted)
     );
-    if let Some(note) = bf16_emulation_note(resolved.precision) {
+    if let Some(note) = bf16_emulation_note(resolved.precision).filter(|_| comm.is_root()) {
         eprintln!("{note}");
     }
     pool.set_budget(budget);
@@ -143,8 +188,10 @@ pub fn measure_steps(a: &StepOptions, verbose: bool, out: &mut dyn Write) -> Res
             nan_policy: NanPolicy::Stop,
         },
         None,
-    );
+    )
+    .distributed(comm.clone());
     let mut times = Vec::new();
+    let mut sync_times = Vec::new();
     let mut timed_from = pool.stats();
     for i in 0..a.warmup + a.steps {
         if i == a.warmup {
@@ -158,9 +205,10 @@ pub fn measure_steps(a: &StepOptions, verbose: bool, out: &mut dyn Write) -> Res
                 &mut model,
                 &pool,
                 &mut sgd,
-                &data.images,
+                images,
                 (s, s),
                 &labels,
+                n,
                 i + 1,
                 false,
             )?
@@ -172,6 +220,7 @@ pub fn measure_steps(a: &StepOptions, verbose: bool, out: &mut dyn Write) -> Res
         }
         if i >= a.warmup {
             times.push(secs);
+            sync_times.push(trainer.dist.as_ref().map_or(0.0, |d| d.last_sync_secs));
         }
     }
     let total: f64 = times.iter().sum();
@@ -196,6 +245,20 @@ pub fn measure_steps(a: &StepOptions, verbose: bool, out: &mut dyn Write) -> Res
         "median {median:.3} s/step, {:.2} img/s",
         n as f64 / median
     );
+    let sync = if processes > 1 {
+        sync_times.sort_by(f64::total_cmp);
+        let sync = sync_times[sync_times.len() / 2];
+        outln!(
+            out,
+            "gradient all-reduce (rank 0): median {sync:.3} s/step ({:.0}% of the step), {} in buckets of up to {}",
+            100.0 * sync / median.max(1e-12),
+            fmt_bytes(4 * model.trainable_count()),
+            fmt_bytes(crate::dist::BUCKET_BYTES)
+        );
+        Some(sync)
+    } else {
+        None
+    };
     if a.profile {
         let totals = crate::profile::totals();
         crate::profile::enable(false);
@@ -218,6 +281,8 @@ pub fn measure_steps(a: &StepOptions, verbose: bool, out: &mut dyn Write) -> Res
         median_seconds: median,
         measured: pool.stats(),
         predicted,
+        processes,
+        allreduce_seconds: sync,
     })
 }
 

@@ -4,6 +4,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
 use std::io::Write;
 use std::path::PathBuf;
+use std::rc::Rc;
 
 use anyhow::{Context, Result, bail};
 use clap::parser::ValueSource;
@@ -11,10 +12,11 @@ use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand,
 
 use memfit::bench::{
     StepOptions, StrategiesOptions, format_max_batch_header, format_max_batch_row,
-    format_strategies, largest_batch, max_batch_strategies, measure_steps, pytorch_rows,
+    format_strategies, largest_batch, max_batch_strategies, measure_steps_on, pytorch_rows,
     run_strategies,
 };
 use memfit::data::DataOptions;
+use memfit::dist::Collective;
 use memfit::memory::{MemoryStats, fmt_bytes, parse_bytes};
 use memfit::nn::{BnPolicy, StemKind};
 use memfit::run::{self, EvalConfig, MemoryConfig, TrainConfig};
@@ -598,10 +600,36 @@ struct EvalArgs {
 }
 
 fn main() {
-    if let Err(e) = run() {
-        eprintln!("error: {e:#}");
-        std::process::exit(1);
+    // The data-parallel world, once `train` or `bench step` started it.
+    let mut world: Option<Rc<dyn Collective>> = None;
+    if let Err(e) = run(&mut world) {
+        match world.filter(|c| c.size() > 1) {
+            // The other processes may be waiting for this one in a
+            // collective: end them all.
+            Some(c) => {
+                eprintln!("error: process {} of {}: {e:#}", c.rank(), c.size());
+                c.abort(1)
+            }
+            None => {
+                eprintln!("error: {e:#}");
+                std::process::exit(1);
+            }
+        }
     }
+}
+
+/// The processes of this run: under `mpirun`/`srun` (built with `--features
+/// mpi`) MPI's world, checked at start-up (every process there within
+/// `MEMFIT_DIST_TIMEOUT` seconds, with the same command line); otherwise
+/// one process.
+fn world(slot: &mut Option<Rc<dyn Collective>>) -> Result<Rc<dyn Collective>> {
+    if let Some(c) = slot {
+        return Ok(c.clone());
+    }
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let comm = memfit::dist::start(&args)?;
+    *slot = Some(comm.clone());
+    Ok(comm)
 }
 
 /// `--config FILE.toml` (on train, plan and eval): each key is a flag of the
@@ -664,7 +692,7 @@ fn expand_config(mut args: Vec<OsString>) -> Result<Vec<OsString>> {
     Ok(args)
 }
 
-fn run() -> Result<()> {
+fn run(slot: &mut Option<Rc<dyn Collective>>) -> Result<()> {
     let args = expand_config(std::env::args_os().collect())?;
     let (cli, matches) = parse(args.clone());
     if let Some(t) = cli.threads {
@@ -677,10 +705,16 @@ fn run() -> Result<()> {
             .context("starting the thread pool")?;
     }
     match cli.command {
-        Command::Train(a) => train(a, &args, &matches, "train", false),
-        Command::Plan(a) => train(a, &args, &matches, "plan", true),
+        Command::Train(a) => {
+            let comm = world(slot)?;
+            train(a, &args, &matches, "train", Some(comm))
+        }
+        Command::Plan(a) => train(a, &args, &matches, "plan", None),
         Command::Eval(a) => eval(a, &matches),
-        Command::Bench(BenchCommand::Step(a)) => bench_step(a),
+        Command::Bench(BenchCommand::Step(a)) => {
+            let comm = world(slot)?;
+            bench_step(a, comm)
+        }
         Command::Bench(BenchCommand::Strategies(a)) => bench_strategies(a),
         Command::Bench(BenchCommand::MaxBatch(a)) => bench_max_batch(a),
     }
@@ -701,7 +735,7 @@ fn parse_budget(s: Option<&str>) -> Result<Option<usize>> {
     Ok(budget)
 }
 
-fn bench_step(a: StepArgs) -> Result<()> {
+fn bench_step(a: StepArgs, comm: Rc<dyn Collective>) -> Result<()> {
     // Before the budget is parsed, as ever (measure_steps checks it too).
     if a.batch_size == 0 || a.steps == 0 {
         bail!("--batch-size and --steps must be at least 1");
@@ -720,7 +754,11 @@ fn bench_step(a: StepArgs) -> Result<()> {
         recompute_bn_relu: a.precision.recompute_bn_relu,
         profile: a.profile,
     };
-    let r = measure_steps(&opts, true, &mut Stdout)?;
+    let root = comm.is_root();
+    let r = measure_steps_on(&opts, true, &mut Stdout, comm)?;
+    if !root {
+        return Ok(());
+    }
     print_memory(&r.measured)?;
     outln!(
         "predicted peak {} vs measured {}",
@@ -845,15 +883,19 @@ fn parse(args: Vec<OsString>) -> (Cli, ArgMatches) {
     (cli, matches)
 }
 
-/// `train` and `plan`: with `--resume` of a run that saved its flags, the
-/// flags not given again are the saved ones (re-parsed with them).
+/// `train` (with the run's processes) and `plan` (`comm` None): with
+/// `--resume` of a run that saved its flags, the flags not given again are
+/// the saved ones (re-parsed with them).
 fn train(
     a: TrainArgs,
     args: &[OsString],
     matches: &ArgMatches,
     sub: &str,
-    plan_only: bool,
+    comm: Option<Rc<dyn Collective>>,
 ) -> Result<()> {
+    let plan_only = comm.is_none();
+    let root = comm.as_ref().is_none_or(|c| c.is_root());
+    let comm = comm.unwrap_or_else(|| Rc::new(memfit::dist::Single));
     let m = matches.subcommand_matches(sub).context("subcommand")?;
     let (values, given) = flag_map(m, sub);
     if plan_only {
@@ -862,7 +904,7 @@ fn train(
             .filter(|f| given.contains(**f))
             .map(|f| format!("--{f}"))
             .collect();
-        if !ignored.is_empty() {
+        if !ignored.is_empty() && root {
             eprintln!(
                 "warning: plan ignores {} (they change training, not the memory plan)",
                 ignored.join(", ")
@@ -873,7 +915,7 @@ fn train(
         && let Some(saved) = run::saved_flags(from)
     {
         let merged = run::merge_resumed_flags(&saved, &values, &given)?;
-        for note in &merged.notes {
+        for note in merged.notes.iter().filter(|_| root) {
             eprintln!("note: {note}");
         }
         if !merged.take.is_empty() {
@@ -894,10 +936,20 @@ fn train(
             };
             let m = matches.subcommand_matches(sub).context("subcommand")?;
             let (values, _) = flag_map(m, sub);
-            return Ok(run::train(&a.config(m, values), plan_only, &mut Stdout)?);
+            return Ok(run::train_on(
+                &a.config(m, values),
+                plan_only,
+                comm,
+                &mut Stdout,
+            )?);
         }
     }
-    Ok(run::train(&a.config(m, values), plan_only, &mut Stdout)?)
+    Ok(run::train_on(
+        &a.config(m, values),
+        plan_only,
+        comm,
+        &mut Stdout,
+    )?)
 }
 
 /// `--model`, `--stem`: None unless given (then the weights' metadata or

@@ -208,6 +208,21 @@ impl<'a> Loader<'a> {
         order: Vec<usize>,
         epoch: usize,
     ) -> Batches<'a> {
+        self.epoch_part(scope, order, epoch, Part::WHOLE)
+    }
+
+    /// [`Loader::epoch`] for one rank of a data-parallel run: each batch
+    /// holds only `part`'s shard ([`crate::dist::shard`]) of its window of
+    /// `order`, loaded with the positions it has in the whole epoch, so
+    /// the ranks' shards together are exactly the batches of
+    /// [`Loader::epoch`].
+    pub fn epoch_part<'scope>(
+        &self,
+        scope: &'scope Scope<'scope, 'a>,
+        order: Vec<usize>,
+        epoch: usize,
+        part: Part,
+    ) -> Batches<'a> {
         let batch_size = self.batch_size.max(1);
         let total = order.len().div_ceil(batch_size);
         let order: Arc<[usize]> = order.into();
@@ -219,12 +234,13 @@ impl<'a> Loader<'a> {
             let (data, order) = (self.data, order.clone());
             // Worker k makes batches k, k + workers, ...: delivering them
             // round-robin restores the order with no reordering buffer.
-            scope.spawn(move || worker(data, &order, batch_size, epoch, k, workers, tx));
+            scope.spawn(move || worker(data, &order, batch_size, part, epoch, k, workers, tx));
         }
         Batches {
             data: self.data,
             order,
             batch_size,
+            part,
             epoch,
             receivers,
             next: 0,
@@ -239,10 +255,33 @@ impl<'a> Loader<'a> {
     }
 }
 
+/// Which shard of every window a loader loads: `rank` of `ranks`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Part {
+    pub rank: usize,
+    pub ranks: usize,
+}
+
+impl Part {
+    /// Every sample of every window (one process).
+    pub const WHOLE: Part = Part { rank: 0, ranks: 1 };
+}
+
+/// `part`'s shard of batch `b` of `order` and its first position in the
+/// epoch.
+fn window(order: &[usize], b: usize, batch_size: usize, part: Part) -> (&[usize], usize) {
+    let first = b * batch_size;
+    let whole = &order[first..(first + batch_size).min(order.len())];
+    let r = crate::dist::shard(whole.len(), part.rank, part.ranks);
+    (&whole[r.clone()], first + r.start)
+}
+
+#[allow(clippy::too_many_arguments)]
 fn worker(
     data: &dyn Dataset,
     order: &[usize],
     batch_size: usize,
+    part: Part,
     epoch: usize,
     first_batch: usize,
     stride: usize,
@@ -250,8 +289,7 @@ fn worker(
 ) {
     let total = order.len().div_ceil(batch_size);
     for b in (first_batch..total).step_by(stride) {
-        let first = b * batch_size;
-        let window = &order[first..(first + batch_size).min(order.len())];
+        let (window, first) = window(order, b, batch_size, part);
         let batch = load_batch(data, window, first, epoch);
         let failed = batch.is_err();
         // A closed channel means the consumer stopped early: nothing to do.
@@ -266,6 +304,7 @@ pub struct Batches<'a> {
     data: &'a dyn Dataset,
     order: Arc<[usize]>,
     batch_size: usize,
+    part: Part,
     epoch: usize,
     /// One per worker; empty: load on the calling thread.
     receivers: Vec<Receiver<Result<Batch>>>,
@@ -284,9 +323,8 @@ impl Iterator for Batches<'_> {
         let b = self.next;
         self.next += 1;
         let batch = if self.receivers.is_empty() {
-            let first = b * self.batch_size;
-            let end = (first + self.batch_size).min(self.order.len());
-            load_batch(self.data, &self.order[first..end], first, self.epoch)
+            let (window, first) = window(&self.order, b, self.batch_size, self.part);
+            load_batch(self.data, window, first, self.epoch)
         } else {
             let rx = &self.receivers[b % self.receivers.len()];
             // A worker only hangs up early by panicking; the scope

@@ -22,6 +22,14 @@ pub mod mpi;
 /// never depends on timing.
 pub const BUCKET_BYTES: usize = 25 * 1024 * 1024;
 
+/// Elements of each of the two all-reduce buffers (send, receive) for a
+/// model with `grad_elements` trainable gradient elements: one bucket, or
+/// less for a model smaller than that. They come from the memory pool
+/// (category workspace), so a plan counts them.
+pub fn bucket_elements(grad_elements: usize) -> usize {
+    grad_elements.min(BUCKET_BYTES / std::mem::size_of::<f32>())
+}
+
 /// The collectives a data-parallel step needs. Every rank must make the
 /// same calls in the same order with buffers of the same length.
 pub trait Collective {
@@ -43,6 +51,12 @@ pub trait Collective {
     /// Whether this is rank 0, the one that prints and writes files.
     fn is_root(&self) -> bool {
         self.rank() == 0
+    }
+    /// Ends every process of the run with exit status `code` (MPI_Abort):
+    /// what a process that fails does, so that the others, which may be
+    /// waiting in a collective for it, end too instead of hanging.
+    fn abort(&self, code: i32) -> ! {
+        std::process::exit(code)
     }
 }
 
@@ -90,16 +104,107 @@ pub fn world() -> Result<Rc<dyn Collective>> {
     }
 }
 
+/// Seconds [`Watchdog`] waits at start-up unless `MEMFIT_DIST_TIMEOUT`
+/// says otherwise.
+pub const DEFAULT_START_TIMEOUT_SECS: u64 = 120;
+
+/// `MEMFIT_DIST_TIMEOUT` (whole seconds, at least 1), else
+/// [`DEFAULT_START_TIMEOUT_SECS`].
+pub fn start_timeout() -> Result<std::time::Duration> {
+    let secs = match std::env::var("MEMFIT_DIST_TIMEOUT") {
+        Err(_) => DEFAULT_START_TIMEOUT_SECS,
+        Ok(v) => v
+            .trim()
+            .parse()
+            .ok()
+            .filter(|&s: &u64| s >= 1)
+            .ok_or_else(|| {
+                Error::Usage(format!(
+                    "MEMFIT_DIST_TIMEOUT={v}: expected whole seconds, at least 1"
+                ))
+            })?,
+    };
+    Ok(std::time::Duration::from_secs(secs))
+}
+
+/// A timeout on the start of a distributed run: MPI's start-up and the
+/// first collective wait for every process, for ever if one never comes (it
+/// failed to start, or died before MPI started). Unless disarmed within the
+/// time, this thread prints what happened and ends the process with status
+/// 1, which makes `mpirun`/`srun` end the others.
+pub struct Watchdog {
+    done: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Watchdog {
+    /// Starts the clock; `what` names the wait in the message.
+    pub fn arm(what: &'static str, timeout: std::time::Duration) -> Watchdog {
+        use std::sync::atomic::Ordering;
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = done.clone();
+        std::thread::spawn(move || {
+            let start = std::time::Instant::now();
+            while start.elapsed() < timeout {
+                if flag.load(Ordering::SeqCst) {
+                    return;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            if !flag.load(Ordering::SeqCst) {
+                eprintln!(
+                    "error: {what} did not complete within {} s: a process of the run did not start, or died (see the launcher's messages); every process ends. MEMFIT_DIST_TIMEOUT=SECONDS waits longer",
+                    timeout.as_secs()
+                );
+                std::process::exit(1);
+            }
+        });
+        Watchdog { done }
+    }
+
+    /// Every process arrived: the clock stops.
+    pub fn disarm(self) {
+        self.done.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// Start-up of a distributed run: MPI's world (under the `mpi` feature)
+/// and one collective that every process must reach, both under a
+/// [`Watchdog`]; `command_line` (the arguments after the program's name)
+/// must be the same on every process.
+pub fn start(command_line: &[String]) -> Result<Rc<dyn Collective>> {
+    if cfg!(not(feature = "mpi")) {
+        return Ok(Rc::new(Single));
+    }
+    let watchdog = Watchdog::arm("the start of the distributed run", start_timeout()?);
+    let comm = world()?;
+    if comm.size() > 1 {
+        let same = comm.all_equal(fnv1a(command_line.join("\u{1f}").as_bytes()))?;
+        if !same {
+            return Err(Error::Usage(format!(
+                "the {} processes were started with different command lines (this one: {}); start every process with the same arguments",
+                comm.size(),
+                command_line.join(" ")
+            )));
+        }
+    }
+    watchdog.disarm();
+    Ok(comm)
+}
+
+fn fnv1a(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for &b in bytes {
+        h = (h ^ b as u64).wrapping_mul(0x100000001b3);
+    }
+    h
+}
+
 /// Ends every rank with the same clear error when the ranks' configuration
 /// fingerprints differ (never a hang: every rank takes part in the one
 /// comparison and then all fail together).
 pub fn check_same_config(comm: &dyn Collective, fingerprint: &str) -> Result<()> {
     // FNV-1a: stable across processes and builds.
-    let mut h: u64 = 0xcbf29ce484222325;
-    for b in fingerprint.bytes() {
-        h = (h ^ b as u64).wrapping_mul(0x100000001b3);
-    }
-    if comm.all_equal(h)? {
+    if comm.all_equal(fnv1a(fingerprint.as_bytes()))? {
         Ok(())
     } else {
         Err(Error::invalid(

@@ -68,4 +68,7 @@ impl Collective for Mpi {
         self.world.barrier();
         Ok(())
     }
+    fn abort(&self, code: i32) -> ! {
+        self.world.abort(code)
+    }
 }

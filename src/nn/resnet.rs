@@ -526,6 +526,18 @@ impl ResNet {
         n
     }
 
+    /// Elements of the gradients an optimizer step updates (frozen
+    /// parameters left out): what data-parallel training sums.
+    pub fn trainable_count(&mut self) -> usize {
+        let mut n = 0;
+        self.visit_params(|p| {
+            if !p.frozen {
+                n += p.grad.numel();
+            }
+        });
+        n
+    }
+
     pub fn set_bn_policy(&mut self, policy: BnPolicy) {
         self.bn_policy = policy;
         self.walk_layers(|layer| {

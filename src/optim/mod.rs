@@ -8,6 +8,7 @@
 //! [`LrSchedule::lr_at`] (not per micro-batch).
 
 pub mod adamw;
+pub mod buckets;
 pub mod clip;
 pub mod kinds;
 pub mod scaler;
@@ -16,6 +17,7 @@ pub mod schedule;
 pub(crate) use crate::ops::optim_update::widen;
 pub use crate::ops::optim_update::{adamw_update, sgd_update};
 pub use adamw::AdamW;
+pub use buckets::GradBuckets;
 pub use clip::{clip_grad_norm, clip_grad_norm_slices, grad_norm};
 pub use kinds::{OptimizerKind, ScheduleKind, lr_schedule};
 pub use scaler::{GradScaler, ScalerStep};

@@ -33,7 +33,7 @@ use crate::error::{Error, Result};
 use crate::exec::{LossOptions, Plan, forward_backward, forward_eval};
 use crate::memory::{Category, MemoryStats, Pool, Tag};
 use crate::nn::{BnPolicy, Mode, ResNet, ResNetConfig};
-use crate::optim::Optimizer;
+use crate::optim::{GradBuckets, Optimizer};
 
 /// Bytes and FLOPs of one stage for one micro-batch.
 #[derive(Clone, Debug, PartialEq)]
@@ -337,7 +337,42 @@ pub fn simulate(
     micro_batch: usize,
     image_size: usize,
 ) -> Result<MemoryStats> {
-    simulate_run(config, bn, optimizer, plan, micro_batch, image_size, true)
+    simulate_run(
+        config,
+        bn,
+        optimizer,
+        plan,
+        micro_batch,
+        image_size,
+        true,
+        1,
+    )
+}
+
+/// [`simulate`] for one process of a data-parallel run of `processes`
+/// (more than one: the gradient all-reduce buckets are live from the first
+/// step's end, as `train::dist::GradSync` allocates them).
+#[allow(clippy::too_many_arguments)]
+pub fn simulate_processes(
+    config: &ResNetConfig,
+    bn: BnPolicy,
+    optimizer: &Optimizer,
+    plan: &Plan,
+    micro_batch: usize,
+    image_size: usize,
+    training_only: bool,
+    processes: usize,
+) -> Result<MemoryStats> {
+    simulate_run(
+        config,
+        bn,
+        optimizer,
+        plan,
+        micro_batch,
+        image_size,
+        !training_only,
+        processes,
+    )
 }
 
 /// [`simulate`] without the evaluation batch: what `memfit bench step`
@@ -350,9 +385,19 @@ pub fn simulate_training(
     micro_batch: usize,
     image_size: usize,
 ) -> Result<MemoryStats> {
-    simulate_run(config, bn, optimizer, plan, micro_batch, image_size, false)
+    simulate_run(
+        config,
+        bn,
+        optimizer,
+        plan,
+        micro_batch,
+        image_size,
+        false,
+        1,
+    )
 }
 
+#[allow(clippy::too_many_arguments)]
 fn simulate_run(
     config: &ResNetConfig,
     bn: BnPolicy,
@@ -361,6 +406,7 @@ fn simulate_run(
     micro_batch: usize,
     image_size: usize,
     eval: bool,
+    processes: usize,
 ) -> Result<MemoryStats> {
     let pool = Pool::on(Device::Meta(config.target));
     let mut model = ResNet::new(&pool, train_config(config))?;
@@ -368,6 +414,7 @@ fn simulate_run(
     model.check_image_size(image_size, image_size)?;
     let mut opt = optimizer.fresh();
     let labels = vec![0; micro_batch];
+    let mut buckets = None;
     for _ in 0..2 {
         model.zero_grad();
         let images = pool.empty_f32(
@@ -383,11 +430,15 @@ fn simulate_run(
             &labels,
             LossOptions::default(),
         )?;
+        if processes > 1 && buckets.is_none() {
+            buckets = Some(GradBuckets::new(&pool, model.trainable_count())?);
+        }
         opt.step(&pool, &mut model)?;
     }
     if eval {
         eval_batch(&mut model, &pool, micro_batch, image_size)?;
     }
+    drop(buckets);
     Ok(pool.stats())
 }
 

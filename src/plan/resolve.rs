@@ -3,13 +3,15 @@
 
 use std::fmt::Write;
 
+use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::exec::Plan;
-use crate::memory::{Category, MemoryStats, fmt_bytes};
-use crate::nn::{BnPolicy, Precision, ResNetConfig};
-use crate::optim::Optimizer;
+use crate::memory::{Category, MemoryStats, Pool, fmt_bytes};
+use crate::nn::{BnPolicy, Precision, ResNet, ResNetConfig};
+use crate::optim::{GradBuckets, Optimizer};
 use crate::plan::{
-    CostModel, Strategy, TimeModel, auto_plan, segments_plan, simulate, stages_plan,
+    CostModel, Strategy, TimeModel, auto_plan, segments_plan, simulate_processes, stages_plan,
+    train_config,
 };
 
 /// What a run asks of the planner.
@@ -32,6 +34,10 @@ pub struct PlanRequest<'a> {
     pub auto_precision: bool,
     /// Where `auto`'s stage times come from (other strategies need none).
     pub time_model: TimeModel,
+    /// Processes of a data-parallel run (1: one). The plan is per
+    /// process: `batch` is this process's shard of the global batch, and
+    /// with more than one the gradient all-reduce buckets are counted.
+    pub processes: usize,
 }
 
 /// The plan a run will use and what it is predicted to cost.
@@ -119,6 +125,16 @@ fn resolve_for(req: &PlanRequest<'_>, config: &ResNetConfig) -> Result<Resolved>
             let budget = req
                 .budget
                 .ok_or_else(|| Error::invalid("--checkpoint", "auto needs --memory-budget"))?;
+            // The all-reduce buckets are live through every steady-state
+            // step: what is left of the budget is the step's.
+            let buckets = if req.processes > 1 {
+                let pool = Pool::on(Device::Meta(config.target));
+                let mut model = ResNet::new(&pool, train_config(config))?;
+                model.set_bn_policy(req.bn);
+                GradBuckets::bytes(model.trainable_count())
+            } else {
+                0
+            };
             let (choice, costs) = auto_plan(
                 config,
                 req.bn,
@@ -126,7 +142,7 @@ fn resolve_for(req: &PlanRequest<'_>, config: &ResNetConfig) -> Result<Resolved>
                 req.batch,
                 req.micro_batch,
                 req.image_size,
-                budget,
+                budget.saturating_sub(buckets),
                 req.time_model,
             )?;
             (choice.plan, choice.micro_batch, costs)
@@ -147,7 +163,16 @@ fn resolve_for(req: &PlanRequest<'_>, config: &ResNetConfig) -> Result<Resolved>
             (plan, micro, costs)
         }
     };
-    let predicted = simulate(config, req.bn, req.optimizer, &plan, micro, req.image_size)?;
+    let predicted = simulate_processes(
+        config,
+        req.bn,
+        req.optimizer,
+        &plan,
+        micro,
+        req.image_size,
+        false,
+        req.processes,
+    )?;
     if let Some(budget) = req.budget
         && predicted.peak_total > budget
     {

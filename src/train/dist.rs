@@ -3,10 +3,11 @@
 //!
 //! - Rank 0's weights and BN running statistics are broadcast before the
 //!   first step ([`broadcast_state`]), so every rank starts equal.
-//! - Every rank loads the same global window (the same seeded permutation)
-//!   and trains on its shard ([`crate::dist::shard`]); each micro-batch's
-//!   loss is divided by the window's global sample count, so the sum over
-//!   ranks is the gradient of one big batch.
+//! - Every rank draws the same seeded permutation and loads only its shard
+//!   of each window ([`crate::dist::shard`], [`crate::data::Part`]); the
+//!   window's readable sample count is summed ([`window_counts`]) and each
+//!   micro-batch's loss is divided by it, so the sum over ranks is the
+//!   gradient of one big batch.
 //! - After the last micro-batch of the window (never on the others) the
 //!   gradients are summed across ranks ([`GradSync::sum_grads`]): flattened
 //!   in visit order and summed in fixed buckets of
@@ -22,16 +23,19 @@
 use std::rc::Rc;
 
 use crate::backend;
-use crate::dist::{BUCKET_BYTES, Collective};
+use crate::dist::Collective;
 use crate::error::Result;
+use crate::memory::Pool;
 use crate::nn::{ResNet, StateSlot};
+use crate::optim::GradBuckets;
+use crate::tensor::Tensor;
 
-/// The gradient all-reduce of a step and its host buffers (kept across
-/// steps, so steady-state steps allocate nothing here).
+/// The gradient all-reduce of a step and its two bucket buffers (pool
+/// tensors, category workspace, allocated at the first sum and kept, so a
+/// plan counts them and steady-state steps allocate nothing here).
 pub struct GradSync {
     pub comm: Rc<dyn Collective>,
-    flat: Vec<f32>,
-    summed: Vec<f32>,
+    buckets: Option<GradBuckets>,
     /// Seconds the last step spent summing gradients (copies included).
     pub last_sync_secs: f64,
 }
@@ -40,41 +44,47 @@ impl GradSync {
     pub fn new(comm: Rc<dyn Collective>) -> Self {
         GradSync {
             comm,
-            flat: Vec::new(),
-            summed: Vec::new(),
+            buckets: None,
             last_sync_secs: 0.0,
         }
     }
 
-    /// Replaces every trainable gradient by its sum over the ranks.
-    pub fn sum_grads(&mut self, model: &mut ResNet) -> Result<()> {
+    /// Replaces every trainable gradient by its sum over the ranks: the
+    /// gradients, flattened in visit order, are cut into buckets at fixed
+    /// offsets; each bucket is packed, summed and unpacked in turn.
+    pub fn sum_grads(&mut self, pool: &Pool, model: &mut ResNet) -> Result<()> {
         let t0 = std::time::Instant::now();
-        self.flat.clear();
-        let mut res = Ok(());
-        model.visit_params(|p| {
-            if !p.frozen && res.is_ok() {
-                let at = self.flat.len();
-                self.flat.resize(at + p.grad.numel(), 0.0);
-                res = backend::copy_to_host_into(&mut self.flat[at..], &p.grad);
-            }
-        });
-        res?;
-        self.summed.resize(self.flat.len(), 0.0);
-        let bucket = BUCKET_BYTES / std::mem::size_of::<f32>();
-        for (send, recv) in self.flat.chunks(bucket).zip(self.summed.chunks_mut(bucket)) {
-            self.comm.sum_f32(send, recv)?;
+        let total = model.trainable_count();
+        if self.buckets.is_none() {
+            self.buckets = Some(GradBuckets::new(pool, total)?);
         }
-        let mut at = 0;
-        let mut res = Ok(());
-        let summed = &self.summed;
-        model.visit_params(|p| {
-            if !p.frozen && res.is_ok() {
-                let len = p.grad.numel();
-                res = backend::copy_from_host(&mut p.grad, &summed[at..at + len]);
-                at += len;
-            }
-        });
-        res?;
+        let Some(GradBuckets { send, recv }) = self.buckets.as_mut() else {
+            unreachable!("allocated above");
+        };
+        let bucket = send.numel();
+        let mut first = 0;
+        while first < total {
+            let last = (first + bucket).min(total);
+            // The part of each gradient that falls in [first, last).
+            let mut each = |f: &mut dyn FnMut(&mut Tensor, usize, usize, usize) -> Result<()>| {
+                let (mut at, mut res) = (0, Ok(()));
+                model.visit_params(|p| {
+                    if p.frozen || res.is_err() {
+                        return;
+                    }
+                    let (start, end) = (at.max(first), (at + p.grad.numel()).min(last));
+                    if start < end {
+                        res = f(&mut p.grad, start - at, start - first, end - start);
+                    }
+                    at += p.grad.numel();
+                });
+                res
+            };
+            each(&mut |g, g_at, b_at, len| backend::copy_range(send, b_at, g, g_at, len))?;
+            backend::all_reduce_sum(self.comm.as_ref(), recv, send, last - first)?;
+            each(&mut |g, g_at, b_at, len| backend::copy_range(g, g_at, recv, b_at, len))?;
+            first = last;
+        }
         self.last_sync_secs = t0.elapsed().as_secs_f64();
         Ok(())
     }
@@ -129,6 +139,21 @@ pub fn any_rank(comm: &dyn Collective, flag: bool) -> Result<bool> {
     let mut sum = [0.0];
     comm.sum_f64(&[flag as u8 as f64], &mut sum)?;
     Ok(sum[0] > 0.0)
+}
+
+/// The readable and skipped samples of a whole window, from this rank's
+/// counts of its shard (one small sum; none in a world of one).
+pub fn window_counts(
+    comm: &dyn Collective,
+    readable: usize,
+    skipped: usize,
+) -> Result<(usize, usize)> {
+    if comm.size() <= 1 {
+        return Ok((readable, skipped));
+    }
+    let mut sums = [0.0; 2];
+    comm.sum_f64(&[readable as f64, skipped as f64], &mut sums)?;
+    Ok((sums[0] as usize, sums[1] as usize))
 }
 
 /// [`super::fit`] as one rank of a data-parallel run over `comm` (from

@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use rand::{SeedableRng, rngs::ChaCha8Rng, seq::SliceRandom};
 
 use crate::backend;
-use crate::data::{Dataset, Loader};
+use crate::data::{Dataset, Loader, Part};
 use crate::error::{Error, Result};
 use crate::exec::{Plan, forward_eval};
 use crate::memory::{Category, MemoryStats, Pool, Tag, write_timeline_csv};
@@ -159,10 +159,26 @@ pub fn evaluate(
     batch_size: usize,
     workers: usize,
 ) -> Result<EvalReport> {
+    evaluate_on(model, pool, data, batch_size, workers, &crate::dist::Single)
+}
+
+/// [`evaluate`] as one rank of a data-parallel run: each rank evaluates
+/// its shard ([`crate::dist::shard`]) of `data` and the sums are added
+/// across ranks, so every rank gets the report of the whole set (the
+/// ranks' running BN statistics are equal: rank 0's are broadcast after
+/// every step).
+pub fn evaluate_on(
+    model: &mut ResNet,
+    pool: &Pool,
+    data: &dyn Dataset,
+    batch_size: usize,
+    workers: usize,
+    comm: &dyn crate::dist::Collective,
+) -> Result<EvalReport> {
     let classes = model.config.num_classes;
     let (mut loss, mut top1, mut top5) = (0.0, 0, 0);
     let (mut samples, mut skipped) = (0, 0);
-    let order: Vec<usize> = (0..data.len()).collect();
+    let order: Vec<usize> = crate::dist::shard(data.len(), comm.rank(), comm.size()).collect();
     let loader = Loader {
         data,
         batch_size: batch_size.max(1),
@@ -203,6 +219,26 @@ pub fn evaluate(
         }
         Ok(())
     })?;
+    if comm.size() > 1 {
+        let mut sums = [0.0; 5];
+        comm.sum_f64(
+            &[
+                loss,
+                top1 as f64,
+                top5 as f64,
+                samples as f64,
+                skipped as f64,
+            ],
+            &mut sums,
+        )?;
+        loss = sums[0];
+        (top1, top5, samples, skipped) = (
+            sums[1] as usize,
+            sums[2] as usize,
+            sums[3] as usize,
+            sums[4] as usize,
+        );
+    }
     // Zeros for loss and accuracy would read as a result.
     if samples == 0 && skipped > 0 {
         return Err(Error::NoReadableImages {
@@ -372,6 +408,11 @@ fn fit_in<'scope, 'env>(
         batch_size: opts.batch_size,
         workers: opts.workers,
     };
+    // Each rank loads only its shard of every window.
+    let part = Part {
+        rank: comm.rank(),
+        ranks: comm.size(),
+    };
     for epoch in 1..=opts.epochs {
         let mut order: Vec<usize> = (0..train.len()).collect();
         if opts.shuffle {
@@ -393,15 +434,17 @@ fn fit_in<'scope, 'env>(
         let mut lr = opts.base_lr;
         // Per-step time includes waiting for the batch.
         let mut t0 = std::time::Instant::now();
-        for batch in loader.epoch(scope, order, epoch) {
+        for batch in loader.epoch_part(scope, order, epoch, part) {
             let batch = batch?;
-            skipped += batch.skipped;
+            // Readable and skipped samples of the whole window (every rank).
+            let (n, window_skipped) =
+                dist::window_counts(comm.as_ref(), batch.labels.len(), batch.skipped)?;
+            skipped += window_skipped;
             // A window whose every image is unreadable makes no step.
-            if batch.labels.is_empty() {
+            if n == 0 {
                 t0 = std::time::Instant::now();
                 continue;
             }
-            let n = batch.labels.len();
             if step < opts.resume_step {
                 // Done before the run was resumed: replay the order only.
                 step += 1;
@@ -423,6 +466,7 @@ fn fit_in<'scope, 'env>(
                     &batch.images,
                     train.image_hw(),
                     &batch.labels,
+                    n,
                     step,
                     opts.inject_inf_steps.contains(&step),
                 )
@@ -559,7 +603,7 @@ fn fit_in<'scope, 'env>(
             if (epoch % opts.eval_every.max(1) == 0 || epoch == opts.epochs) && !val.is_empty() {
                 // Evaluate in micro-batches too: a full batch without saved
                 // tensors can still need more than the budget allows.
-                let e = evaluate(model, pool, val, micro, opts.workers)?;
+                let e = evaluate_on(model, pool, val, micro, opts.workers, comm.as_ref())?;
                 skipped += e.skipped;
                 metrics.eval(epoch, step, &e)?;
                 Some(e)

@@ -449,6 +449,10 @@ pub struct FingerprintInputs<'a> {
     pub clip_grad_norm: Option<f32>,
     pub seed: u64,
     pub shuffle: bool,
+    /// Processes of a data-parallel run (each normalises BN over its own
+    /// shard, so a run resumes only with as many): in the text only when
+    /// more than one, so that one process's text is as it always was.
+    pub processes: usize,
 }
 
 /// The fingerprint saved with every checkpoint and compared by
@@ -464,8 +468,13 @@ pub fn run_fingerprint(f: &FingerprintInputs) -> String {
         BnPolicy::Batch => "Batch",
         BnPolicy::Frozen => "Frozen",
     };
+    let processes = if f.processes > 1 {
+        format!("; processes={}", f.processes)
+    } else {
+        String::new()
+    };
     format!(
-        "model={}; base_width={}; stem={stem}; classes={}; precision={}; bn_relu_recompute={}; bn={bn}; data={}; image_size={}; batch_size={}; micro_batch={}; optimizer={}; lr={}; momentum={}; nesterov={}; weight_decay={:?}; schedule={}; warmup_epochs={}; total_steps={}; label_smoothing={}; clip_grad_norm={:?}; seed={}; shuffle={}",
+        "model={}; base_width={}; stem={stem}; classes={}; precision={}; bn_relu_recompute={}; bn={bn}; data={}; image_size={}; batch_size={}; micro_batch={}; optimizer={}; lr={}; momentum={}; nesterov={}; weight_decay={:?}; schedule={}; warmup_epochs={}; total_steps={}; label_smoothing={}; clip_grad_norm={:?}; seed={}; shuffle={}{processes}",
         f.model,
         f.base_width,
         f.classes,
@@ -494,10 +503,16 @@ pub fn run_fingerprint(f: &FingerprintInputs) -> String {
 /// `; `), as `key: saved A, now B`.
 fn fingerprint_diff(saved: &str, now: &str) -> Vec<String> {
     let parse = |s: &str| -> Vec<(String, String)> {
-        s.split("; ")
+        let mut kv: Vec<(String, String)> = s
+            .split("; ")
             .filter_map(|kv| kv.split_once('='))
             .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
+            .collect();
+        // One process writes no `processes` key.
+        if !s.is_empty() && !kv.iter().any(|(k, _)| k == "processes") {
+            kv.push(("processes".into(), "1".into()));
+        }
+        kv
     };
     let (a, b) = (parse(saved), parse(now));
     let mut out = Vec::new();
@@ -660,6 +675,7 @@ mod tests {
             clip_grad_norm: None,
             seed: 0,
             shuffle: true,
+            processes: 1,
         };
         assert_eq!(
             run_fingerprint(&f),
@@ -680,6 +696,21 @@ mod tests {
         );
         f.schedule = ScheduleKind::Constant;
         assert!(run_fingerprint(&f).contains("; schedule=Constant;"));
+        // A data-parallel run adds its process count; a resume with
+        // another count, either way, is named.
+        f.processes = 2;
+        let two = run_fingerprint(&f);
+        assert!(two.ends_with("; shuffle=false; processes=2"));
+        f.processes = 1;
+        let one = run_fingerprint(&f);
+        assert_eq!(
+            fingerprint_diff(&one, &two),
+            ["processes: checkpoint 1, now 2"]
+        );
+        assert_eq!(
+            fingerprint_diff(&two, &one),
+            ["processes: checkpoint 2, now 1"]
+        );
     }
 
     #[test]

@@ -69,17 +69,20 @@ impl TrainStep {
     }
 
     /// This step as one rank of a data-parallel run: each call trains on
-    /// the rank's shard of the window it is given (the global window) and
-    /// sums the gradients across ranks. A world of one changes nothing.
+    /// the rank's shard of the window it is given and sums the gradients
+    /// across ranks. A world of one changes nothing.
     pub fn distributed(mut self, comm: std::rc::Rc<dyn crate::dist::Collective>) -> Self {
         self.dist = (comm.size() > 1).then(|| GradSync::new(comm));
         self
     }
 
-    /// One optimizer step over a window of `labels.len()` samples whose
-    /// images (n, h, w, 3, on the host) are `images`. `step` is the 1-based
-    /// number of this optimizer step; `inject_inf` sets one gradient
-    /// element to inf after the backward (a test hook, as an f16 overflow).
+    /// One optimizer step over a window of `window` samples, of which this
+    /// process trains on `labels.len()` whose images (n, h, w, 3, on the
+    /// host) are `images`: all of them in one process; under
+    /// [`TrainStep::distributed`] this rank's shard, `window` being the sum
+    /// over the ranks. `step` is the 1-based number of this optimizer step;
+    /// `inject_inf` sets one gradient element to inf after the backward (a
+    /// test hook, as an f16 overflow).
     ///
     /// Under [`NanPolicy::Stop`] a non-finite loss, gradient or BN running
     /// statistic is an [`Error::NonFiniteLoss`] and nothing reaches the
@@ -93,10 +96,11 @@ impl TrainStep {
         images: &[f32],
         image_hw: (usize, usize),
         labels: &[usize],
+        window: usize,
         step: usize,
         inject_inf: bool,
     ) -> Result<StepReport> {
-        let n = labels.len();
+        let n = window;
         model.zero_grad();
         // Without a scaler a non-finite step is dropped or stops the run;
         // the forward has already moved the BN running statistics by then,
@@ -112,16 +116,7 @@ impl TrainStep {
             correct: 0,
         };
         let micro = self.policy.micro_batch.max(1);
-        let px = images.len() / n.max(1);
-        // Data-parallel: this rank's shard of the window; the loss is still
-        // normalised by the whole window's `n`.
-        let (images, labels) = match &self.dist {
-            Some(d) => {
-                let r = crate::dist::shard(n, d.comm.rank(), d.comm.size());
-                (&images[r.start * px..r.end * px], &labels[r])
-            }
-            None => (images, labels),
-        };
+        let px = images.len() / labels.len().max(1);
         for (micro_images, micro_labels) in images.chunks(micro * px).zip(labels.chunks(micro)) {
             let x = gather(pool, image_hw, micro_images)?;
             let o = forward_backward(
@@ -146,7 +141,7 @@ impl TrainStep {
         // gradients, loss and hits, and rank 0's BN running statistics, are
         // then the same on every rank, so every decision below agrees.
         if let Some(d) = self.dist.as_mut() {
-            d.sum_grads(model)?;
+            d.sum_grads(pool, model)?;
             let mut sums = [0.0; 2];
             d.comm.sum_f64(&[out.loss, out.correct as f64], &mut sums)?;
             out.loss = sums[0];

@@ -1196,6 +1196,38 @@ pub fn copy_to_host_into(dst: &mut [f32], t: &Tensor) -> Result<()> {
     Ok(())
 }
 
+pub fn copy_range(
+    dst: &mut Tensor,
+    dst_at: usize,
+    src: &Tensor,
+    src_at: usize,
+    len: usize,
+) -> Result<()> {
+    let st = state(ordinal(dst)?)?;
+    if len == 0 {
+        return Ok(());
+    }
+    st.core.ctx.bind_to_thread().map_err(|e| Error::Cuda {
+        op: "cuCtxSetCurrent",
+        reason: format!("{e:?}"),
+    })?;
+    let f = std::mem::size_of::<f32>();
+    // SAFETY: the caller checked both ranges lie within the tensors' pool
+    // storage on this device; ordered on its one stream.
+    unsafe {
+        cudarc::driver::result::memcpy_dtod_async(
+            dst.device_address() + (dst_at * f) as u64,
+            src.device_address() + (src_at * f) as u64,
+            len * f,
+            st.core.stream.cu_stream(),
+        )
+    }
+    .map_err(|e| Error::Cuda {
+        op: "cuMemcpyDtoDAsync",
+        reason: format!("{e:?}"),
+    })
+}
+
 pub fn copy(dst: &mut Tensor, src: &Tensor) -> Result<()> {
     let st = state(ordinal(dst)?)?;
     let bytes = dst.storage_bytes().min(src.storage_bytes());
