@@ -28,7 +28,7 @@ use crate::optim::{GradScaler, OptimizerKind, ScheduleKind};
 use crate::plan::{PlanRequest, Strategy, report, resolve};
 use crate::setup::{
     ModelSpec, bf16_emulation_note, check_bn_values, check_output_file, default_base_width,
-    head_classes, lr_schedule, parse_precision, requested_micro_batch,
+    head_classes, lr_schedule, parse_precision, pick_device, requested_micro_batch,
 };
 use crate::train::state::{
     self, FingerprintInputs, RUN_CONFIG_KEY, StateSaving, check_save_dir, check_save_dir_owner,
@@ -81,6 +81,8 @@ pub struct TrainConfig {
     pub keep_checkpoints: usize,
     pub nan_policy: NanPolicy,
     pub resume: Option<PathBuf>,
+    /// `--device`: cpu, cuda, cuda:N or auto.
+    pub device: String,
     pub memory: MemoryConfig,
     /// The flags as the command line gave them or defaulted them (long
     /// name without `--` → value), saved in every state file so that
@@ -116,13 +118,17 @@ pub struct EvalConfig {
     pub data: DataOptions,
     pub batch_size: usize,
     pub seed: u64,
+    /// `--device`: cpu, cuda, cuda:N or auto.
+    pub device: String,
 }
 
 /// Flags a resumed run may change: they say how long to train, how to
 /// report and where to save, not what is trained; the memory plan (every
-/// plan computes the same gradients); and the start (`--init`), which a
-/// resumed run does not use.
+/// plan computes the same gradients); the device (as PyTorch's
+/// `map_location`); and the start (`--init`), which a resumed run does not
+/// use.
 pub const SAFE_TO_CHANGE: &[&str] = &[
+    "device",
     "epochs",
     "steps",
     "workers",
@@ -404,7 +410,14 @@ pub fn train_on(
         )));
     }
     let bn = a.memory.bn;
-    let pool = Pool::new();
+    let device = pick_device(&a.device, root)?;
+    if processes > 1 && device != crate::device::Device::Cpu {
+        return Err(Error::Usage(format!(
+            "--device {}: data-parallel training on GPUs needs NCCL, which this build does not have; use --device cpu",
+            a.device
+        )));
+    }
+    let pool = Pool::on(device);
     let data = load_data(&a.data, a.seed)?;
     let (train_set, val_set, size) = (&*data.train, &*data.val, data.size);
     let init = a.init.as_ref().map(TensorFile::open).transpose()?;
@@ -826,7 +839,7 @@ pub fn eval(a: &EvalConfig, out: &mut dyn Write) -> Result<()> {
     if a.batch_size == 0 {
         return Err(Error::Usage("--batch-size must be at least 1".into()));
     }
-    let pool = Pool::new();
+    let pool = Pool::on(pick_device(&a.device, true)?);
     let data = load_data(&a.data, a.seed)?;
     let (val_set, size) = (&*data.val, data.size);
     if val_set.is_empty() {

@@ -129,10 +129,23 @@ impl ModelSpec {
         Ok(config)
     }
 
-    /// A freshly initialised model.
+    /// A freshly initialised model, for the pool's device.
     pub fn build(&self, pool: &Pool) -> Result<ResNet> {
-        ResNet::new(pool, self.config()?)
+        let mut config = self.config()?;
+        config.target = pool.device().target();
+        ResNet::new(pool, config)
     }
+}
+
+/// The device for `--device FLAG` ([`crate::device::select`]). In a build
+/// with CUDA support the choice and its reason go to stderr when `say`
+/// (a CPU-only build has one choice, and says nothing).
+pub fn pick_device(flag: &str, say: bool) -> Result<Device> {
+    let (device, note) = crate::device::select(flag)?;
+    if say && cfg!(any(feature = "cuda", feature = "cuda-12")) {
+        eprintln!("{note}");
+    }
+    Ok(device)
 }
 
 /// PyTorch's rule for batch norm in training: every channel needs more than

@@ -146,3 +146,51 @@ fn top5_is_not_applicable_with_five_classes_or_fewer() {
         "{many}"
     );
 }
+
+/// `--device` on every command that computes: a name that is no device is a
+/// flag error listing the forms; `cuda` in a build without CUDA says how to
+/// get it (with CUDA but no GPU: what is missing), never a panic.
+#[test]
+fn device_flags_name_what_is_wrong() {
+    for sub in [
+        &["train", "--steps", "1"][..],
+        &["bench", "step", "--steps", "1"][..],
+        &["bench", "max-batch", "--memory-budget", "1GiB"][..],
+    ] {
+        let mut args = sub.to_vec();
+        args.extend(["--device", "gpu"]);
+        assert_clean_error(&args, "unknown device 'gpu': use cpu, cuda, cuda:N");
+        let mut args = sub.to_vec();
+        args.extend(["--device", "cuda:1"]);
+        let (code, _, err) = memfit(&args);
+        assert_ne!(code, 0, "{args:?}");
+        assert_no_panic(&format!("{args:?}"), &err);
+        assert!(
+            err.contains("this memfit build has no CUDA support: rebuild with --features cuda")
+                || err.contains("CUDA"),
+            "{args:?}: {err}"
+        );
+    }
+    // The default (auto) and cpu train on the CPU.
+    let (code, out, err) = memfit(&[
+        "train",
+        "--device",
+        "cpu",
+        "--data",
+        "synthetic",
+        "--train-size",
+        "8",
+        "--val-size",
+        "4",
+        "--image-size",
+        "16",
+        "--base-width",
+        "4",
+        "--batch-size",
+        "4",
+        "--steps",
+        "1",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("epoch 1"), "{out}");
+}

@@ -323,3 +323,45 @@ fn bench_step_reports_the_all_reduce_for_two_processes() {
         .unwrap();
     assert_eq!(p, m, "{out}");
 }
+
+#[test]
+fn bench_scaling_tables_one_and_two_processes() {
+    if !mpirun_available() {
+        return;
+    }
+    let dir = TempDir::new("mpi-scaling");
+    let out = Command::new(BIN)
+        .args([
+            "bench",
+            "scaling",
+            "--launcher",
+            "mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader",
+            "--",
+            "--model",
+            "resnet18",
+            "--base-width",
+            "8",
+            "--image-size",
+            "32",
+            "--batch-size",
+            "8",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+        ])
+        .current_dir(&dir.0)
+        .output()
+        .unwrap();
+    let (out, err) = text(&out);
+    assert!(
+        out.contains("| processes | threads each | s/step |"),
+        "{out}\n{err}"
+    );
+    let rows: Vec<&str> = out.lines().filter(|l| l.starts_with("| ")).collect();
+    // Header, then 1 x 1, 2 x 1 (with an all-reduce time), 1 x 2.
+    assert_eq!(rows.len(), 4, "{out}");
+    assert!(rows[1].starts_with("| 1 | 1 | ") && rows[1].contains("| 1.00x | - | - |"));
+    assert!(rows[2].starts_with("| 2 | 1 | ") && !rows[2].contains("| - | - |"));
+    assert!(rows[3].starts_with("| 1 | 2 | "));
+}

@@ -14,7 +14,7 @@ use crate::memory::{MemoryStats, Pool, fmt_bytes};
 use crate::nn::{BnPolicy, Precision, ResNet};
 use crate::optim::Sgd;
 use crate::plan::{PlanRequest, resolve, simulate_processes};
-use crate::setup::{ModelSpec, bf16_emulation_note, parse_precision};
+use crate::setup::{ModelSpec, bf16_emulation_note, parse_precision, pick_device};
 use crate::train::step::{StepPolicy, TrainStep};
 use crate::train::{NanPolicy, Optimizer};
 
@@ -42,6 +42,8 @@ pub struct StepOptions {
     pub recompute_bn_relu: bool,
     /// Time per op family too ([`format_profile`]).
     pub profile: bool,
+    /// `--device`: cpu, cuda, cuda:N or auto.
+    pub device: String,
 }
 
 /// What one `bench step` measured.
@@ -97,8 +99,14 @@ pub fn measure_steps_on(
     let mut sink = std::io::sink();
     let out: &mut dyn Write = if comm.is_root() { out } else { &mut sink };
     let budget = a.memory_budget;
-    let pool = Pool::new();
+    let pool = Pool::on(pick_device(&a.device, comm.is_root() && verbose)?);
+    if processes > 1 && pool.device() != crate::device::Device::Cpu {
+        return Err(Error::Usage(
+            "data-parallel steps on GPUs need NCCL, which this build does not have; use --device cpu".into(),
+        ));
+    }
     let mut config = a.model.config()?;
+    config.target = pool.device().target();
     let fixed_precision = parse_precision(&a.precision)?;
     config.precision = fixed_precision.unwrap_or_default();
     config.recompute_bn_relu = a.recompute_bn_relu;

@@ -27,6 +27,8 @@ pub struct StrategiesOptions {
     pub rounds: usize,
     /// Stage times for `auto`: measured or flops.
     pub time_model: String,
+    /// `--device`: cpu, cuda, cuda:N or auto.
+    pub device: String,
 }
 
 /// One row of `bench strategies`.
@@ -135,6 +137,7 @@ pub fn run_strategies(
                 precision: r.precision.to_string(),
                 recompute_bn_relu: r.recompute_bn_relu,
                 profile: false,
+                device: a.device.clone(),
             };
             progress(&format!(
                 "running {} (round {} of {}) ...",

@@ -11,9 +11,9 @@ use clap::parser::ValueSource;
 use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 
 use memfit::bench::{
-    StepOptions, StrategiesOptions, format_max_batch_header, format_max_batch_row,
-    format_strategies, largest_batch, max_batch_strategies, measure_steps_on, pytorch_rows,
-    run_strategies,
+    ScalingOptions, StepOptions, StrategiesOptions, format_max_batch_header, format_max_batch_row,
+    format_scaling, format_strategies, largest_batch, max_batch_strategies, measure_steps_on,
+    pytorch_rows, run_scaling, run_strategies,
 };
 use memfit::data::DataOptions;
 use memfit::dist::Collective;
@@ -182,6 +182,38 @@ enum BenchCommand {
     /// budget, per strategy; predicted on the shapes-only simulator, no
     /// training.
     MaxBatch(MaxBatchArgs),
+    /// `bench step` on 1, 2, … data-parallel processes (launched with
+    /// mpirun; this memfit must be built with `--features mpi`), rows
+    /// alternated over rounds: step time, images per second of the whole
+    /// batch, speed-up, and the time spent summing gradients. The flags
+    /// after `--` are bench step's, e.g. `memfit bench scaling --processes
+    /// 1,2 -- --model resnet50 --image-size 128 --batch-size 32`.
+    Scaling(ScalingArgs),
+}
+
+#[derive(Args)]
+struct ScalingArgs {
+    /// Process counts, one row each (1 runs without the launcher).
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    processes: Vec<usize>,
+    /// Threads of each process.
+    #[arg(long, default_value_t = 1)]
+    threads_per_process: usize,
+    /// Leave out the row of one process with as many threads as the
+    /// largest row has cores (processes x threads).
+    #[arg(long)]
+    no_threads_row: bool,
+    /// The launcher and its flags, before `-np N` (split on spaces). As
+    /// root on one machine: `mpirun --allow-run-as-root --oversubscribe
+    /// --bind-to none --mca btl self,vader`.
+    #[arg(long, default_value = "mpirun --bind-to none")]
+    launcher: String,
+    /// Runs of every row, rows alternating; each row reports its median.
+    #[arg(long, default_value_t = 1)]
+    rounds: usize,
+    /// `bench step`'s flags (after `--`), passed to every row as they are.
+    #[arg(last = true)]
+    step_args: Vec<String>,
 }
 
 #[derive(Args)]
@@ -251,6 +283,10 @@ struct ModelArgs {
     /// Seeds the weights and the synthetic batches.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// cpu, cuda (GPU 0), cuda:N, or auto: a GPU when one works and the
+    /// CUDA backend is complete in this build, else the CPU.
+    #[arg(long, default_value = "auto")]
+    device: String,
 }
 
 #[derive(Args)]
@@ -559,6 +595,11 @@ struct TrainArgs {
     /// --time-model, --nan-policy, --memory-trace).
     #[arg(long)]
     resume: Option<PathBuf>,
+    /// cpu, cuda (GPU 0), cuda:N, or auto: a GPU when one works and the
+    /// CUDA backend is complete in this build, else the CPU. A resumed run
+    /// may change it.
+    #[arg(long, default_value = "auto")]
+    device: String,
     #[command(flatten)]
     memory: MemoryArgs,
 }
@@ -597,6 +638,10 @@ struct EvalArgs {
     /// Seeds the validation split (use the training run's --seed).
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// cpu, cuda (GPU 0), cuda:N, or auto (a GPU when one works and the
+    /// CUDA backend is complete in this build, else the CPU).
+    #[arg(long, default_value = "auto")]
+    device: String,
 }
 
 fn main() {
@@ -717,6 +762,7 @@ fn run(slot: &mut Option<Rc<dyn Collective>>) -> Result<()> {
         }
         Command::Bench(BenchCommand::Strategies(a)) => bench_strategies(a),
         Command::Bench(BenchCommand::MaxBatch(a)) => bench_max_batch(a),
+        Command::Bench(BenchCommand::Scaling(a)) => bench_scaling(a),
     }
 }
 
@@ -753,6 +799,7 @@ fn bench_step(a: StepArgs, comm: Rc<dyn Collective>) -> Result<()> {
         precision: a.precision.precision,
         recompute_bn_relu: a.precision.recompute_bn_relu,
         profile: a.profile,
+        device: a.model.device.clone(),
     };
     let root = comm.is_root();
     let r = measure_steps_on(&opts, true, &mut Stdout, comm)?;
@@ -777,6 +824,7 @@ fn bench_strategies(a: StrategiesArgs) -> Result<()> {
         warmup: a.warmup,
         rounds: a.rounds,
         time_model: a.time_model,
+        device: a.model.device.clone(),
     };
     let results = run_strategies(&opts, &mut Stdout, &mut |line| eprintln!("{line}"))?;
     let (table, mut csv) = format_strategies(&results);
@@ -791,9 +839,26 @@ fn bench_strategies(a: StrategiesArgs) -> Result<()> {
     Ok(())
 }
 
+fn bench_scaling(a: ScalingArgs) -> Result<()> {
+    let opts = ScalingOptions {
+        exe: std::env::current_exe().context("finding this memfit binary")?,
+        processes: a.processes,
+        threads: a.threads_per_process,
+        one_process_all_threads: !a.no_threads_row,
+        launcher: a.launcher.split_whitespace().map(str::to_string).collect(),
+        step_args: a.step_args,
+        rounds: a.rounds,
+    };
+    let rows = run_scaling(&opts, &mut |line| eprintln!("{line}"))?;
+    emit(format_args!("{}", format_scaling(&rows)));
+    Ok(())
+}
+
 fn bench_max_batch(a: MaxBatchArgs) -> Result<()> {
     let budget = parse_bytes(&a.memory_budget).context("--memory-budget")?;
-    let config = a.model.spec().config()?;
+    let mut config = a.model.spec().config()?;
+    // Predicted for the device's target (its workspaces and capabilities).
+    config.target = setup::pick_device(&a.model.device, true)?.target();
     emit(format_args!(
         "{}",
         format_max_batch_header(&a.model.model, a.model.base_width, a.image_size, budget)
@@ -998,6 +1063,7 @@ impl TrainArgs {
                 NanPolicyArg::Skip => NanPolicy::Skip,
             },
             resume: self.resume.clone(),
+            device: self.device.clone(),
             memory: MemoryConfig {
                 memory_budget: self.memory.memory_budget.clone(),
                 checkpoint: self.memory.checkpoint.clone(),
@@ -1029,6 +1095,7 @@ fn eval(a: EvalArgs, matches: &ArgMatches) -> Result<()> {
         data: a.data.options(),
         batch_size: a.batch_size,
         seed: a.seed,
+        device: a.device.clone(),
     };
     Ok(run::eval(&config, &mut Stdout)?)
 }

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Builds what tools/gpu/check.sh runs on the GPU machine (which has no Rust)
+# and puts it in target/gpu-bundle (ignored by git, under the 64 MiB a
+# device call may carry): the memfit binary with --features cuda, the four
+# CUDA test binaries, check.sh and the PyTorch side-by-side script; all
+# stripped. Then, with the device tool:
+#   run(command="bash target/gpu-bundle/check.sh 480", carry=["target/gpu-bundle"], timeout_s=560)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+DEST=target/gpu-bundle
+rm -rf "$DEST"; mkdir -p "$DEST"
+cargo build --release --features cuda
+cp target/release/memfit "$DEST/"
+TESTS=(cuda_vs_cpu cuda_probe cuda_plan cuda_kernels)
+ARGS=(); for t in "${TESTS[@]}"; do ARGS+=(--test "$t"); done
+cargo test --release --features cuda "${ARGS[@]}" --no-run --message-format=json 2>/dev/null \
+  | python3 -c '
+import json, shutil, sys
+want = set(sys.argv[2:])
+for m in map(json.loads, sys.stdin):
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in want:
+        shutil.copy(m["executable"], sys.argv[1] + "/" + m["target"]["name"])
+' "$DEST" "${TESTS[@]}"
+cp tools/gpu/check.sh "$DEST/"
+[ -f tools/gpu_vs_torch.py ] && cp tools/gpu_vs_torch.py "$DEST/"
+strip "$DEST"/memfit "$DEST"/cuda_* 
+du -sh "$DEST"; ls -la "$DEST"
+for t in memfit "${TESTS[@]}"; do [ -x "$DEST/$t" ] || { echo "missing $t" >&2; exit 1; }; done
