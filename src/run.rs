@@ -28,7 +28,8 @@ use crate::optim::{GradScaler, OptimizerKind, ScheduleKind};
 use crate::plan::{PlanRequest, Strategy, report, resolve};
 use crate::setup::{
     ModelSpec, bf16_emulation_note, check_bn_values, check_output_file, default_base_width,
-    head_classes, lr_schedule, parse_precision, pick_device, requested_micro_batch,
+    head_classes, lr_schedule, parse_precision, per_process_device, pick_device,
+    requested_micro_batch,
 };
 use crate::train::state::{
     self, FingerprintInputs, RUN_CONFIG_KEY, StateSaving, check_save_dir, check_save_dir_owner,
@@ -410,10 +411,10 @@ pub fn train_on(
         )));
     }
     let bn = a.memory.bn;
-    let device = pick_device(&a.device, root)?;
-    if processes > 1 && device != crate::device::Device::Cpu {
+    let device = pick_device(&per_process_device(&a.device, processes), root)?;
+    if processes > 1 && device != crate::device::Device::Cpu && !cfg!(feature = "nccl") {
         return Err(Error::Usage(format!(
-            "--device {}: data-parallel training on GPUs needs NCCL, which this build does not have; use --device cpu",
+            "--device {}: data-parallel training on GPUs needs NCCL: rebuild with --features nccl, or use --device cpu",
             a.device
         )));
     }

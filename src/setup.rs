@@ -148,6 +148,20 @@ pub fn pick_device(flag: &str, say: bool) -> Result<Device> {
     Ok(device)
 }
 
+/// The device of this process: with more than one process on a machine,
+/// `--device cuda` means one GPU per process, the process's local rank
+/// (`cuda:N` and `cpu` stay as given).
+pub fn per_process_device(flag: &str, processes: usize) -> String {
+    device_of_local_rank(flag, processes, crate::dist::local_rank())
+}
+
+fn device_of_local_rank(flag: &str, processes: usize, local: Option<usize>) -> String {
+    match (flag.trim(), local) {
+        ("cuda", Some(local)) if processes > 1 => format!("cuda:{local}"),
+        (f, _) => f.to_string(),
+    }
+}
+
 /// PyTorch's rule for batch norm in training: every channel needs more than
 /// one value (`Expected more than 1 value per channel when training`). With
 /// 1x1 maps before the head that means micro-batches of at least 2; memfit
@@ -203,6 +217,16 @@ pub fn check_output_file(path: &Path, flag: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_gpu_per_process_on_a_machine() {
+        assert_eq!(device_of_local_rank("cuda", 4, Some(3)), "cuda:3");
+        // One process, a numbered GPU, the CPU or no launcher: as given.
+        assert_eq!(device_of_local_rank("cuda", 1, Some(3)), "cuda");
+        assert_eq!(device_of_local_rank("cuda:1", 4, Some(3)), "cuda:1");
+        assert_eq!(device_of_local_rank("cpu", 4, Some(3)), "cpu");
+        assert_eq!(device_of_local_rank("cuda", 4, None), "cuda");
+    }
 
     #[test]
     fn only_the_digits_default_to_a_narrow_network() {

@@ -738,9 +738,9 @@ pub fn copy_range(
 /// `recv[..len]` = the sum over every rank of `comm` of its `send[..len]`
 /// (f32 tensors; data-parallel gradient buckets). On the CPU the
 /// collective reads and writes the pool's bytes in place; on the meta
-/// device nothing moves (a plan only counts the buckets). CUDA tensors
-/// need NCCL, which is not built yet: an error, refused before training
-/// starts.
+/// device nothing moves (a plan only counts the buckets). On CUDA,
+/// NCCL sums on the device's stream (feature `nccl`; without it an error,
+/// refused before training starts).
 pub fn all_reduce_sum(
     comm: &dyn crate::dist::Collective,
     recv: &mut Tensor,
@@ -756,10 +756,12 @@ pub fn all_reduce_sum(
     }
     match recv.device() {
         Device::Cpu => cpu::all_reduce_sum(comm, recv, send, len),
-        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        #[cfg(feature = "nccl")]
+        Device::Cuda(_) => cuda::nccl::all_reduce_sum(comm, recv, send, len),
+        #[cfg(all(any(feature = "cuda", feature = "cuda-12"), not(feature = "nccl")))]
         Device::Cuda(_) => Err(Error::invalid(
             "data-parallel training",
-            "summing gradients on a CUDA device needs NCCL, which this build does not have",
+            "summing gradients on a CUDA device needs NCCL: rebuild with --features nccl",
         )),
         Device::Meta(_) => Ok(()),
     }

@@ -99,10 +99,12 @@ pub fn measure_steps_on(
     let mut sink = std::io::sink();
     let out: &mut dyn Write = if comm.is_root() { out } else { &mut sink };
     let budget = a.memory_budget;
-    let pool = Pool::on(pick_device(&a.device, comm.is_root() && verbose)?);
-    if processes > 1 && pool.device() != crate::device::Device::Cpu {
+    let device = crate::setup::per_process_device(&a.device, processes);
+    let pool = Pool::on(pick_device(&device, comm.is_root() && verbose)?);
+    if processes > 1 && pool.device() != crate::device::Device::Cpu && !cfg!(feature = "nccl") {
         return Err(Error::Usage(
-            "data-parallel steps on GPUs need NCCL, which this build does not have; use --device cpu".into(),
+            "data-parallel steps on GPUs need NCCL: rebuild with --features nccl, or use --device cpu"
+                .into(),
         ));
     }
     let mut config = a.model.config()?;

@@ -39,6 +39,8 @@ pub trait Collective {
     fn size(&self) -> usize;
     /// Replaces `buf` on every rank by rank 0's.
     fn broadcast_f32(&self, buf: &mut [f32]) -> Result<()>;
+    /// As [`Collective::broadcast_f32`] for bytes (NCCL's unique id).
+    fn broadcast_bytes(&self, buf: &mut [u8]) -> Result<()>;
     /// `recv` = the element-wise sum of every rank's `send` (same lengths).
     fn sum_f32(&self, send: &[f32], recv: &mut [f32]) -> Result<()>;
     /// As [`Collective::sum_f32`] for f64 (small reports: loss, counts,
@@ -74,6 +76,9 @@ impl Collective for Single {
     fn broadcast_f32(&self, _buf: &mut [f32]) -> Result<()> {
         Ok(())
     }
+    fn broadcast_bytes(&self, _buf: &mut [u8]) -> Result<()> {
+        Ok(())
+    }
     fn sum_f32(&self, send: &[f32], recv: &mut [f32]) -> Result<()> {
         recv.copy_from_slice(send);
         Ok(())
@@ -102,6 +107,19 @@ pub fn world() -> Result<Rc<dyn Collective>> {
     {
         Ok(Rc::new(Single))
     }
+}
+
+/// This process's rank among those of the run on its machine, from the
+/// launcher's environment (Open MPI, MPICH/Hydra, Slurm): which GPU a
+/// process takes when one process per GPU is started with `--device cuda`.
+pub fn local_rank() -> Option<usize> {
+    [
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "MPI_LOCALRANKID",
+        "SLURM_LOCALID",
+    ]
+    .iter()
+    .find_map(|k| std::env::var(k).ok()?.trim().parse().ok())
 }
 
 /// Seconds [`Watchdog`] waits at start-up unless `MEMFIT_DIST_TIMEOUT`

@@ -45,6 +45,10 @@ impl Collective for Mpi {
         self.world.process_at_rank(0).broadcast_into(buf);
         Ok(())
     }
+    fn broadcast_bytes(&self, buf: &mut [u8]) -> Result<()> {
+        self.world.process_at_rank(0).broadcast_into(buf);
+        Ok(())
+    }
     fn sum_f32(&self, send: &[f32], recv: &mut [f32]) -> Result<()> {
         // rsmpi has no in-place all-reduce: a separate receive buffer.
         self.world

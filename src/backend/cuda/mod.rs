@@ -17,6 +17,9 @@
 //! where their comments say.
 
 pub mod dnn;
+/// NCCL: the gradient all-reduce of data-parallel training on GPUs.
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod ops;
 pub mod state;
 
