@@ -28,7 +28,7 @@ use crate::optim::{GradScaler, OptimizerKind, ScheduleKind};
 use crate::plan::{PlanRequest, Strategy, report, resolve};
 use crate::setup::{
     ModelSpec, bf16_emulation_note, check_bn_values, check_output_file, default_base_width,
-    head_classes, lr_schedule, parse_precision, per_process_device, pick_device,
+    gpu_memory_line, head_classes, lr_schedule, parse_precision, per_process_device, pick_device,
     requested_micro_batch,
 };
 use crate::train::state::{
@@ -105,6 +105,8 @@ pub struct MemoryConfig {
     pub memory_trace: Option<PathBuf>,
     pub precision: String,
     pub recompute_bn_relu: bool,
+    /// `--strict-fp32`: no TF32 in fp32 convolutions on a GPU.
+    pub strict_fp32: bool,
     pub scaler_init: f32,
     pub scaler_growth_interval: u32,
 }
@@ -130,6 +132,7 @@ pub struct EvalConfig {
 /// use.
 pub const SAFE_TO_CHANGE: &[&str] = &[
     "device",
+    "strict-fp32",
     "epochs",
     "steps",
     "workers",
@@ -411,7 +414,11 @@ pub fn train_on(
         )));
     }
     let bn = a.memory.bn;
-    let device = pick_device(&per_process_device(&a.device, processes), root)?;
+    let device = pick_device(
+        &per_process_device(&a.device, processes),
+        root,
+        a.memory.strict_fp32,
+    )?;
     if processes > 1 && device != crate::device::Device::Cpu && !cfg!(feature = "nccl") {
         return Err(Error::Usage(format!(
             "--device {}: data-parallel training on GPUs needs NCCL: rebuild with --features nccl, or use --device cpu",
@@ -755,6 +762,9 @@ pub fn train_on(
     line!(out, "trained in {:.1} s", start.elapsed().as_secs_f64());
     if let Some(last) = reports.last() {
         write_memory(out, &last.memory)?;
+        if let Some(line) = gpu_memory_line(&pool) {
+            line!(out, "{line}");
+        }
         let (p, m) = (resolved.predicted.peak_total, last.memory.peak_total);
         line!(
             out,
@@ -840,7 +850,7 @@ pub fn eval(a: &EvalConfig, out: &mut dyn Write) -> Result<()> {
     if a.batch_size == 0 {
         return Err(Error::Usage("--batch-size must be at least 1".into()));
     }
-    let pool = Pool::on(pick_device(&a.device, true)?);
+    let pool = Pool::on(pick_device(&a.device, true, false)?);
     let data = load_data(&a.data, a.seed)?;
     let (val_set, size) = (&*data.val, data.size);
     if val_set.is_empty() {

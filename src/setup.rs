@@ -139,13 +139,50 @@ impl ModelSpec {
 
 /// The device for `--device FLAG` ([`crate::device::select`]). In a build
 /// with CUDA support the choice and its reason go to stderr when `say`
-/// (a CPU-only build has one choice, and says nothing).
-pub fn pick_device(flag: &str, say: bool) -> Result<Device> {
+/// (a CPU-only build has one choice, and says nothing). On a GPU, fp32
+/// convolutions run in TF32 as PyTorch's do by default
+/// (`torch.backends.cudnn.allow_tf32`), unless `strict_fp32`.
+pub fn pick_device(flag: &str, say: bool, strict_fp32: bool) -> Result<Device> {
     let (device, note) = crate::device::select(flag)?;
     if say && cfg!(any(feature = "cuda", feature = "cuda-12")) {
         eprintln!("{note}");
     }
+    #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+    if matches!(device, Device::Cuda(_)) {
+        crate::backend::cuda::dnn::set_allow_tf32(!strict_fp32);
+    }
+    #[cfg(not(any(feature = "cuda", feature = "cuda-12")))]
+    let _ = strict_fp32;
     Ok(device)
+}
+
+/// On a GPU, what the card holds beyond the pool: the CUDA context, the
+/// cuDNN and cuBLAS handles and their own workspaces, the compiled
+/// kernels (and any other process's memory): the card's memory in use less
+/// the pool's reserved segments, on a line of its own, so a user sees what
+/// a card needs in total. None on the CPU.
+pub fn gpu_memory_line(pool: &Pool) -> Option<String> {
+    #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+    if let Device::Cuda(n) = pool.device() {
+        let line = match crate::device::cuda::core(n)
+            .map_err(|e| format!("{e:?}"))
+            .and_then(|c| c.memory_in_use().map_err(|e| format!("{e:?}")))
+        {
+            Ok((used, total)) => {
+                let reserved = pool.stats().reserved;
+                format!(
+                    "GPU memory outside the pool: {} (CUDA context, cuDNN/cuBLAS handles and workspaces, kernels, other processes); card: {} in use of {}",
+                    crate::memory::fmt_bytes(used.saturating_sub(reserved)),
+                    crate::memory::fmt_bytes(used),
+                    crate::memory::fmt_bytes(total)
+                )
+            }
+            Err(e) => format!("GPU memory outside the pool: not measured ({e})"),
+        };
+        return Some(line);
+    }
+    let _ = pool;
+    None
 }
 
 /// The device of this process: with more than one process on a machine,

@@ -14,7 +14,7 @@ use crate::memory::{MemoryStats, Pool, fmt_bytes};
 use crate::nn::{BnPolicy, Precision, ResNet};
 use crate::optim::Sgd;
 use crate::plan::{PlanRequest, resolve, simulate_processes};
-use crate::setup::{ModelSpec, bf16_emulation_note, parse_precision, pick_device};
+use crate::setup::{ModelSpec, bf16_emulation_note, gpu_memory_line, parse_precision, pick_device};
 use crate::train::step::{StepPolicy, TrainStep};
 use crate::train::{NanPolicy, Optimizer};
 
@@ -44,6 +44,8 @@ pub struct StepOptions {
     pub profile: bool,
     /// `--device`: cpu, cuda, cuda:N or auto.
     pub device: String,
+    /// `--strict-fp32`: no TF32 in fp32 convolutions on a GPU.
+    pub strict_fp32: bool,
 }
 
 /// What one `bench step` measured.
@@ -100,7 +102,11 @@ pub fn measure_steps_on(
     let out: &mut dyn Write = if comm.is_root() { out } else { &mut sink };
     let budget = a.memory_budget;
     let device = crate::setup::per_process_device(&a.device, processes);
-    let pool = Pool::on(pick_device(&device, comm.is_root() && verbose)?);
+    let pool = Pool::on(pick_device(
+        &device,
+        comm.is_root() && verbose,
+        a.strict_fp32,
+    )?);
     if processes > 1 && pool.device() != crate::device::Device::Cpu && !cfg!(feature = "nccl") {
         return Err(Error::Usage(
             "data-parallel steps on GPUs need NCCL: rebuild with --features nccl, or use --device cpu"
@@ -255,6 +261,9 @@ pub fn measure_steps_on(
         "median {median:.3} s/step, {:.2} img/s",
         n as f64 / median
     );
+    if let Some(line) = gpu_memory_line(&pool) {
+        outln!(out, "{line}");
+    }
     let sync = if processes > 1 {
         sync_times.sort_by(f64::total_cmp);
         let sync = sync_times[sync_times.len() / 2];

@@ -138,6 +138,7 @@ pub fn run_strategies(
                 recompute_bn_relu: r.recompute_bn_relu,
                 profile: false,
                 device: a.device.clone(),
+                strict_fp32: false,
             };
             progress(&format!(
                 "running {} (round {} of {}) ...",

@@ -167,6 +167,11 @@ struct PrecisionArgs {
     /// outputs instead of storing them (cheap recompute inside blocks).
     #[arg(long)]
     recompute_bn_relu: bool,
+    /// On a GPU, fp32 convolutions in strict fp32. Default: TF32 tensor
+    /// cores, as PyTorch's cuDNN convolutions (torch.backends.cudnn.allow_tf32).
+    /// No effect on the CPU.
+    #[arg(long)]
+    strict_fp32: bool,
 }
 
 #[derive(Subcommand)]
@@ -800,6 +805,7 @@ fn bench_step(a: StepArgs, comm: Rc<dyn Collective>) -> Result<()> {
         recompute_bn_relu: a.precision.recompute_bn_relu,
         profile: a.profile,
         device: a.model.device.clone(),
+        strict_fp32: a.precision.strict_fp32,
     };
     let root = comm.is_root();
     let r = measure_steps_on(&opts, true, &mut Stdout, comm)?;
@@ -858,7 +864,7 @@ fn bench_max_batch(a: MaxBatchArgs) -> Result<()> {
     let budget = parse_bytes(&a.memory_budget).context("--memory-budget")?;
     let mut config = a.model.spec().config()?;
     // Predicted for the device's target (its workspaces and capabilities).
-    config.target = setup::pick_device(&a.model.device, true)?.target();
+    config.target = setup::pick_device(&a.model.device, true, false)?.target();
     emit(format_args!(
         "{}",
         format_max_batch_header(&a.model.model, a.model.base_width, a.image_size, budget)
@@ -926,6 +932,7 @@ const PLAN_IGNORES: &[&str] = &[
     "schedule",
     "step-epochs",
     "steps",
+    "strict-fp32",
     "warmup-epochs",
     "workers",
 ];
@@ -1077,6 +1084,7 @@ impl TrainArgs {
                 memory_trace: self.memory.memory_trace.clone(),
                 precision: self.memory.precision.precision.clone(),
                 recompute_bn_relu: self.memory.precision.recompute_bn_relu,
+                strict_fp32: self.memory.precision.strict_fp32,
                 scaler_init: self.memory.scaler_init,
                 scaler_growth_interval: self.memory.scaler_growth_interval,
             },

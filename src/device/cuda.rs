@@ -400,6 +400,14 @@ pub fn core(ordinal: u32) -> std::result::Result<Arc<Core>, StartError> {
 }
 
 impl Core {
+    /// Device memory in use on the whole card and its size, bytes
+    /// (`cuMemGetInfo`: everything allocated, by this process and others).
+    pub fn memory_in_use(&self) -> std::result::Result<(usize, usize), CallError> {
+        self.bind()?;
+        let (free, total) = self.ctx.mem_get_info().map_err(call_err("cuMemGetInfo"))?;
+        Ok((total.saturating_sub(free), total))
+    }
+
     fn bind(&self) -> std::result::Result<(), CallError> {
         self.ctx
             .bind_to_thread()
