@@ -385,14 +385,14 @@ pub fn simulate_training(
     micro_batch: usize,
     image_size: usize,
 ) -> Result<MemoryStats> {
-    simulate_run(
+    simulate_processes(
         config,
         bn,
         optimizer,
         plan,
         micro_batch,
         image_size,
-        false,
+        true,
         1,
     )
 }

@@ -1196,6 +1196,26 @@ pub fn copy_to_host_into(dst: &mut [f32], t: &Tensor) -> Result<()> {
     Ok(())
 }
 
+/// `bytes` from device address `src` to `dst` on the device's one stream.
+fn copy_device(st: &State, dst: u64, src: u64, bytes: usize) -> Result<()> {
+    if bytes == 0 {
+        return Ok(());
+    }
+    st.core.ctx.bind_to_thread().map_err(|e| Error::Cuda {
+        op: "cuCtxSetCurrent",
+        reason: format!("{e:?}"),
+    })?;
+    // SAFETY: the callers pass ranges inside pool storage on this device;
+    // ordered on its one stream.
+    unsafe {
+        cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, st.core.stream.cu_stream())
+    }
+    .map_err(|e| Error::Cuda {
+        op: "cuMemcpyDtoDAsync",
+        reason: format!("{e:?}"),
+    })
+}
+
 pub fn copy_range(
     dst: &mut Tensor,
     dst_at: usize,
@@ -1204,54 +1224,20 @@ pub fn copy_range(
     len: usize,
 ) -> Result<()> {
     let st = state(ordinal(dst)?)?;
-    if len == 0 {
-        return Ok(());
-    }
-    st.core.ctx.bind_to_thread().map_err(|e| Error::Cuda {
-        op: "cuCtxSetCurrent",
-        reason: format!("{e:?}"),
-    })?;
-    let f = std::mem::size_of::<f32>();
-    // SAFETY: the caller checked both ranges lie within the tensors' pool
-    // storage on this device; ordered on its one stream.
-    unsafe {
-        cudarc::driver::result::memcpy_dtod_async(
-            dst.device_address() + (dst_at * f) as u64,
-            src.device_address() + (src_at * f) as u64,
-            len * f,
-            st.core.stream.cu_stream(),
-        )
-    }
-    .map_err(|e| Error::Cuda {
-        op: "cuMemcpyDtoDAsync",
-        reason: format!("{e:?}"),
-    })
+    // The caller (backend::copy_range) checked both ranges.
+    let f = std::mem::size_of::<f32>() as u64;
+    copy_device(
+        &st,
+        dst.device_address() + dst_at as u64 * f,
+        src.device_address() + src_at as u64 * f,
+        len * f as usize,
+    )
 }
 
 pub fn copy(dst: &mut Tensor, src: &Tensor) -> Result<()> {
     let st = state(ordinal(dst)?)?;
     let bytes = dst.storage_bytes().min(src.storage_bytes());
-    if bytes == 0 {
-        return Ok(());
-    }
-    st.core.ctx.bind_to_thread().map_err(|e| Error::Cuda {
-        op: "cuCtxSetCurrent",
-        reason: format!("{e:?}"),
-    })?;
-    // SAFETY: both ranges are pool storage of at least `bytes` on this
-    // device, ordered on its one stream.
-    unsafe {
-        cudarc::driver::result::memcpy_dtod_async(
-            dst.device_address(),
-            src.device_address(),
-            bytes,
-            st.core.stream.cu_stream(),
-        )
-    }
-    .map_err(|e| Error::Cuda {
-        op: "cuMemcpyDtoDAsync",
-        reason: format!("{e:?}"),
-    })
+    copy_device(&st, dst.device_address(), src.device_address(), bytes)
 }
 
 pub fn synchronize(ordinal: u32) -> Result<()> {
