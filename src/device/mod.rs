@@ -164,7 +164,7 @@ impl std::fmt::Display for SelectError {
 
 /// Whether `--device auto` may pick the CUDA backend. Every op of the
 /// boundary has a CUDA arm (`backend::cuda::ops`), but none has run on a
-/// GPU yet, and bf16/f16 convolutions are not wired, so this stays false
+/// GPU yet, so this stays false
 /// until `tests/cuda_vs_cpu.rs` has passed on one: `auto` stays on the CPU
 /// and says why; `--device cuda` uses the backend anyway.
 pub const CUDA_BACKEND_COMPLETE: bool = false;
@@ -207,7 +207,7 @@ fn select_cuda(ordinal: u32) -> std::result::Result<(Device, String), SelectErro
             let mut note = format!("device: {info} (--device cuda:{ordinal})");
             if !CUDA_BACKEND_COMPLETE {
                 note.push_str(
-                    "; note: the CUDA backend has never been checked on a GPU in this build (fp32 only)",
+                    "; note: the CUDA backend has never been checked on a GPU in this build",
                 );
             }
             Ok((Device::Cuda(ordinal), note))

@@ -22,8 +22,10 @@
 //! * cuDNN (`dnn`): convolution forward / backward-data (beta = 1 into
 //!   `dx`) / backward-filter, NHWC f32, strict fp32 unless
 //!   `dnn::set_allow_tf32`, pinned deterministic algorithms; the HWIO weight
-//!   is transposed into the planned workspace (`conv.cu`). bf16/f16
-//!   convolutions are not wired (an error naming them).
+//!   is transposed into the planned workspace (`conv.cu`). bf16/f16 run as
+//!   f32 convolutions of operands the layers rounded (`conv_check`), bf16
+//!   rounding its outputs as the CPU's does; no half-precision tensor-core
+//!   path yet.
 //! * cuBLAS sgemm (`dnn`): linear forward and backward, bias by `linear.cu`.
 //! * Host copies, device copies, synchronise.
 //!
@@ -190,13 +192,20 @@ pub use dnn::CUDNN_DEFAULT_WORKSPACE;
 // ---------------------------------------------------------------------------
 // Convolution (cuDNN) and linear (cuBLAS)
 
-/// The convolutions are fp32 on CUDA for now: bf16/f16 arithmetic and a
-/// bf16 input read in place are not wired.
-fn conv_check(op: &'static str, x: &Tensor, p: Precision) -> Result<()> {
-    if p != Precision::F32 || x.dtype() != DType::F32 {
+/// The convolutions read f32 inputs. Under bf16/f16 the layers hand them
+/// operands already rounded to the low type (`Capabilities::native_bf16`
+/// is false on CUDA: a bf16-stored activation is widened first, the weight
+/// is a rounded copy), so an fp32 (or TF32: its 10-bit mantissa holds a
+/// bf16 or f16 value exactly) convolution with f32 accumulation is the
+/// low-precision convolution; a bf16 one then rounds its output, as the
+/// CPU's does (`backend::conv2d_forward`), and an f16 one leaves that to
+/// the layer.
+fn conv_check(op: &'static str, x: &Tensor, _p: Precision) -> Result<()> {
+    if x.dtype() != DType::F32 {
         return Err(not_yet(
             op,
-            "convolutions in bf16/f16 precision or on a bf16 input",
+            "a convolution reading a bf16-stored input in place (the layers widen it first on \
+             devices without native bf16)",
         ));
     }
     Ok(())
@@ -309,7 +318,12 @@ pub fn conv2d_forward(
             &mut yr,
         )
     }
-    .map_err(cudnn_call("cudnnConvolutionForward"))
+    .map_err(cudnn_call("cudnnConvolutionForward"))?;
+    // As the CPU's bf16 convolution: its output comes back rounded.
+    if p == Precision::BF16 {
+        round(y, p)?;
+    }
+    Ok(())
 }
 
 /// cuDNN backward-data with [`dnn::BWD_DATA_ALGO`] into `dx` with beta = 1
@@ -359,6 +373,10 @@ pub fn conv2d_backward(
             )
         }
         .map_err(cudnn_call("cudnnConvolutionBackwardData"))?;
+        // As the CPU's: dx (with what it accumulated) comes back rounded.
+        if p == Precision::BF16 {
+            round(dx, p)?;
+        }
     }
     let filter = cudarc::cudnn::ConvBackwardFilter {
         conv: &d.conv,
