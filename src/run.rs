@@ -23,7 +23,7 @@ use crate::dist::{Collective, Single, check_same_config};
 use crate::error::{Error, Result};
 use crate::io::{ModelMeta, TensorFile, fc_rows, load_torchvision, save_state_dict_with};
 use crate::memory::{Category, MemoryStats, Pool, fmt_bytes, parse_bytes};
-use crate::nn::{BnPolicy, Precision, StemKind};
+use crate::nn::{BnPolicy, StemKind};
 use crate::optim::{GradScaler, OptimizerKind, ScheduleKind};
 use crate::plan::{PlanRequest, Strategy, report, resolve};
 use crate::setup::{
@@ -568,7 +568,7 @@ pub fn train_on(
             "--scaler-init must be a positive number".into(),
         ));
     }
-    let scaler = (resolved.precision == Precision::F16)
+    let scaler = crate::optim::uses_loss_scaler(resolved.precision)
         .then(|| GradScaler::new(a.memory.scaler_init, a.memory.scaler_growth_interval));
     // The hard budget from here on: the allocator refuses to cross it.
     pool.set_budget(budget);

@@ -142,3 +142,76 @@ fn meta_for_cuda_counts_the_ops_scratch() {
         assert_eq!(pool.stats().live.get(ws), base);
     }
 }
+
+/// A training step on a GPU reads from the device once: the window's loss
+/// and hits, the found-inf (or non-finite) flag and the clipping norm come
+/// back together ([`memfit::backend::StepTotals`]). The meta device
+/// standing for a GPU counts every read the CUDA arm would make, so this
+/// holds the step to it on the CPU: with and without the loss scaler, with
+/// accumulation over micro-batches and with clipping. The step's tracked
+/// peak is the planner's prediction (the roll-back copy of the BN
+/// statistics and the totals are pool bytes the simulator holds too).
+#[test]
+fn a_gpu_training_step_reads_from_the_device_once() {
+    use memfit::backend::host_reads;
+    use memfit::memory::Pool;
+    use memfit::nn::ResNet;
+    use memfit::plan::simulate_training;
+    use memfit::tensor::Precision;
+    use memfit::train::NanPolicy;
+    use memfit::train::step::{StepPolicy, TrainStep};
+
+    let (window, micro, size) = (4, 2, 32);
+    for precision in [Precision::F32, Precision::F16, Precision::BF16] {
+        let mut config = common::tiny_config(BlockKind::Basic, [1, 1, 1, 1], 8, 10);
+        config.target = Target::Cuda(0);
+        config.precision = precision;
+        let pool = Pool::on(Device::Meta(Target::Cuda(0)));
+        let mut model = ResNet::new(&pool, config.clone()).unwrap();
+        let plan = Plan::keep_all(&model);
+        let mut opt = sgd();
+        let scaler =
+            memfit::optim::uses_loss_scaler(precision).then(memfit::optim::GradScaler::default);
+        let mut step = TrainStep::new(
+            StepPolicy {
+                plan: plan.clone(),
+                micro_batch: micro,
+                label_smoothing: 0.1,
+                clip_grad_norm: Some(1.0),
+                nan_policy: NanPolicy::Stop,
+            },
+            scaler,
+        );
+        let images = vec![0.5f32; window * size * size * 3];
+        let labels: Vec<usize> = (0..window).map(|i| i % 10).collect();
+        for n in 1..=2 {
+            let before = host_reads();
+            let report = step
+                .run(
+                    &mut model,
+                    &pool,
+                    &mut opt,
+                    &images,
+                    (size, size),
+                    &labels,
+                    window,
+                    n,
+                    false,
+                )
+                .unwrap();
+            assert_eq!(
+                host_reads() - before,
+                1,
+                "{precision:?} step {n}: device reads in one optimizer step"
+            );
+            assert_eq!(report.samples, window);
+        }
+        let predicted =
+            simulate_training(&config, BnPolicy::Batch, &sgd(), &plan, micro, size).unwrap();
+        assert_eq!(
+            pool.stats().peak_total,
+            predicted.peak_total,
+            "{precision:?}: tracked peak of two steps against the prediction"
+        );
+    }
+}

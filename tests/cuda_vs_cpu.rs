@@ -656,6 +656,85 @@ fn norms_and_finiteness_match_the_cpu() {
     assert!(!backend::all_finite(&gw).unwrap());
 }
 
+/// A step's totals on the device against the CPU's host totals: two
+/// micro-batches' loss shares (1e-12 relative: per-row sums in another
+/// order) and hits exact, the flag of unscale and the finite checks, the
+/// clipping sum over two tensors (1e-12 relative), and one device read.
+#[test]
+fn step_totals_match_the_cpu() {
+    let Some(pool) = gpu() else { return };
+    let cpu = Pool::new();
+    let (n, classes, window) = (6, 11, 10);
+    let read = |totals: &backend::StepTotals| {
+        let before = backend::host_reads();
+        let t = totals.read().unwrap();
+        (t, backend::host_reads() - before)
+    };
+    let mut totals = [&pool, &cpu].map(|p| backend::StepTotals::new(p).unwrap());
+    for (i, p) in [&pool, &cpu].into_iter().enumerate() {
+        for (m, share) in [(0u32, (n, window)), (1, (window - n, window))] {
+            let rows = share.0;
+            let z: Vec<f32> = values(rows * classes, 70 + m)
+                .iter()
+                .map(|v| v * 3.0)
+                .collect();
+            let labels: Vec<usize> = (0..rows).map(|r| (r * 5 + m as usize) % classes).collect();
+            let z = t(p, &[rows, classes], &z);
+            let mut d = empty(p, &[rows, classes]);
+            backend::cross_entropy_add(
+                &mut totals[i],
+                &mut d,
+                &z,
+                &labels,
+                0.1,
+                window,
+                None,
+                Precision::F32,
+                Some(share),
+            )
+            .unwrap();
+        }
+        let mut a = t(p, &[20_000], &values(20_000, 81));
+        let b = t(p, &[333], &values(333, 82));
+        backend::unscale_add(&mut totals[i], &mut a, 0.25).unwrap();
+        backend::check_finite_add(&mut totals[i], &b).unwrap();
+        backend::sum_squares_add(&mut totals[i], &a).unwrap();
+        backend::sum_squares_add(&mut totals[i], &b).unwrap();
+    }
+    let ((g, g_reads), (c, c_reads)) = (read(&totals[0]), read(&totals[1]));
+    assert_eq!((g_reads, c_reads), (1, 0), "device reads");
+    assert!(
+        (g.loss - c.loss).abs() <= 1e-12 * c.loss,
+        "loss gpu {} cpu {}",
+        g.loss,
+        c.loss
+    );
+    assert_eq!(g.correct, c.correct, "hits");
+    assert!(!g.non_finite && !c.non_finite, "all finite");
+    assert!(
+        (g.sum_squares - c.sum_squares).abs() <= 1e-12 * c.sum_squares,
+        "sum of squares gpu {} cpu {}",
+        g.sum_squares,
+        c.sum_squares
+    );
+    // One inf among many tensors sets the one flag, by either check.
+    for (k, unscaled) in [(0, true), (1, false)] {
+        let mut gt = backend::StepTotals::new(&pool).unwrap();
+        let mut w = values(5000, 90 + k);
+        w[4321] = if unscaled { f32::INFINITY } else { f32::NAN };
+        let fine = t(&pool, &[777], &values(777, 95));
+        let mut bad = t(&pool, &[5000], &w);
+        backend::check_finite_add(&mut gt, &fine).unwrap();
+        if unscaled {
+            backend::unscale_add(&mut gt, &mut bad, 0.5).unwrap();
+        } else {
+            backend::check_finite_add(&mut gt, &bad).unwrap();
+        }
+        backend::check_finite_add(&mut gt, &fine).unwrap();
+        assert!(read(&gt).0.non_finite, "flag set (unscale: {unscaled})");
+    }
+}
+
 /// The gradients of every parameter, by name.
 fn grads(model: &mut ResNet) -> Vec<(String, Vec<f32>)> {
     let mut out = Vec::new();

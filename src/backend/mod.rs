@@ -31,6 +31,11 @@ mod cpu;
 pub mod cuda;
 /// The pool scratch the CUDA arm takes per op, and its meta accounting.
 pub mod scratch;
+mod totals;
+
+pub use totals::{
+    StepTotals, Totals, check_finite_add, cross_entropy_add, sum_squares_add, unscale_add,
+};
 
 use crate::device::{Capabilities, Device};
 use crate::error::{Error, Result};
@@ -57,6 +62,26 @@ pub fn conv2d_workspace(device: Device, g: &ConvGeom, pass: ConvPass) -> (DType,
         },
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
         crate::device::Target::Cuda(n) => cuda::ops::conv2d_workspace(n, g, pass),
+    }
+}
+
+thread_local! {
+    static HOST_READS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// How many times backend calls on this thread have returned a device's
+/// value to the host: each one waits for all the work queued before it.
+/// Counted on a CUDA device and on a meta device standing for one (what
+/// the CUDA arm would read), so a test on the CPU can hold a training step
+/// to its one read; the CPU's values are on the host already.
+pub fn host_reads() -> u64 {
+    HOST_READS.with(std::cell::Cell::get)
+}
+
+/// Counts one read from `device` in [`host_reads`], unless it is the CPU.
+fn note_host_read(device: Device) {
+    if device.target() != crate::device::Target::Cpu {
+        HOST_READS.with(|c| c.set(c.get() + 1));
     }
 }
 
@@ -447,6 +472,7 @@ pub fn cross_entropy(
     scale: Option<f32>,
     p: Precision,
 ) -> Result<LossOutput> {
+    note_host_read(d_logits.device());
     match d_logits.device() {
         Device::Cpu => cpu::cross_entropy(d_logits, logits, labels, smoothing, divisor, scale, p),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
@@ -597,6 +623,7 @@ pub fn adamw_update(
 
 /// Σ x² of f32 `t`, summed in f64 in index order (a gradient norm's part).
 pub fn sum_squares(t: &Tensor) -> Result<f64> {
+    note_host_read(t.device());
     Ok(match t.device() {
         Device::Cpu => cpu::sum_squares(t),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
@@ -621,6 +648,7 @@ pub fn scale(t: &mut Tensor, c: f32) -> Result<()> {
 
 /// The scaler's unscale: `t *= inv`, and whether any result is inf or NaN.
 pub fn unscale(t: &mut Tensor, inv: f32) -> Result<bool> {
+    note_host_read(t.device());
     Ok(match t.device() {
         Device::Cpu => cpu::unscale(t, inv),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
@@ -634,6 +662,7 @@ pub fn unscale(t: &mut Tensor, inv: f32) -> Result<bool> {
 
 /// Whether every value of f32 `t` is finite.
 pub fn all_finite(t: &Tensor) -> Result<bool> {
+    note_host_read(t.device());
     Ok(match t.device() {
         Device::Cpu => cpu::all_finite(t),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
@@ -676,6 +705,7 @@ pub fn copy_to_host_into(dst: &mut [f32], t: &Tensor) -> Result<()> {
             got: dst.len().to_string(),
         });
     }
+    note_host_read(t.device());
     match t.device() {
         Device::Cpu => cpu::copy_to_host_into(dst, t),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]

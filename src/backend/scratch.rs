@@ -46,16 +46,34 @@ pub fn cross_entropy_offsets(n: usize) -> (usize, usize, usize, usize) {
     (0, row_loss, row_correct, row_correct + a16(4 * n))
 }
 
-/// Sum of squares over `n` values: the block partials and the total (f64).
+/// Sum of squares over `n` values read back alone: the block partials and
+/// the total (f64).
 pub fn sum_squares(n: usize) -> usize {
     if n == 0 {
         return 0; // the sum is 0.0 without a launch
     }
-    (n.div_ceil(SQ_CHUNK) + 1) * 8
+    sum_squares_partials(n) + 8
+}
+
+/// Sum of squares over `n` values added into a step's totals: the block
+/// partials (f64).
+pub fn sum_squares_partials(n: usize) -> usize {
+    n.div_ceil(SQ_CHUNK) * 8
 }
 
 /// The found-inf / non-finite flag (one i32).
 pub const FLAG: usize = 4;
+
+/// What one optimizer step returns to the host, accumulated on the device
+/// ([`crate::backend::StepTotals`]): f64 loss at [`TOTALS_LOSS`], f64 sum
+/// of squares at [`TOTALS_SUM_SQUARES`], i32 correct count at
+/// [`TOTALS_CORRECT`], i32 non-finite flag at [`TOTALS_FLAG`]; held for
+/// the whole step and read once.
+pub const STEP_TOTALS: usize = 24;
+pub const TOTALS_LOSS: usize = 0;
+pub const TOTALS_SUM_SQUARES: usize = 8;
+pub const TOTALS_CORRECT: usize = 16;
+pub const TOTALS_FLAG: usize = 20;
 
 /// On a meta device standing in for a CUDA device: allocates scratch of
 /// each size in `bytes` (all live at once, as in the CUDA arm) from `t`'s

@@ -10,7 +10,10 @@
 
 use std::fmt;
 
-use crate::backend::{self, LossOutput};
+mod rollback;
+pub use rollback::BnRollback;
+
+use crate::backend::{self, StepTotals};
 use crate::error::{Error, Result};
 use crate::memory::{Category, Pool, Tag};
 use crate::nn::{Mode, ResNet, Saved};
@@ -157,7 +160,8 @@ fn saved_or_err(s: Option<Saved>) -> Result<Saved> {
 }
 
 /// Forward and backward of one batch: `images` (n, h, w, 3) is consumed,
-/// gradients accumulate into the parameters' `grad`.
+/// gradients accumulate into the parameters' `grad`. Returns the loss and
+/// hits (one read from a GPU, after the backward is queued).
 pub fn forward_backward(
     model: &mut ResNet,
     pool: &Pool,
@@ -166,6 +170,38 @@ pub fn forward_backward(
     labels: &[usize],
     loss_opts: LossOptions,
 ) -> Result<StepOutput> {
+    let mut totals = StepTotals::new(pool)?;
+    forward_backward_into(
+        &mut totals,
+        model,
+        pool,
+        plan,
+        images,
+        labels,
+        loss_opts,
+        None,
+    )?;
+    let t = totals.read()?;
+    Ok(StepOutput {
+        loss: t.loss,
+        correct: t.correct,
+    })
+}
+
+/// [`forward_backward`] adding the loss and hits into `totals` (nothing
+/// returns to the host): `share = Some((num, den))` adds the loss times
+/// `num / den`, a micro-batch's part of its window's mean.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_backward_into(
+    totals: &mut StepTotals,
+    model: &mut ResNet,
+    pool: &Pool,
+    plan: &Plan,
+    images: Tensor,
+    labels: &[usize],
+    loss_opts: LossOptions,
+    share: Option<(usize, usize)>,
+) -> Result<()> {
     plan.validate(model.stages.len())?;
     let n = images.dims()[0];
     if labels.len() != n {
@@ -210,7 +246,8 @@ pub fn forward_backward(
         Tag::fixed("loss.d_logits"),
     )?;
     // The gradient reaching a low-type linear is of the low type.
-    let LossOutput { loss, correct } = backend::cross_entropy(
+    backend::cross_entropy_add(
+        totals,
         &mut d_logits,
         &logits,
         labels,
@@ -218,6 +255,7 @@ pub fn forward_backward(
         loss_opts.window_samples.unwrap_or(n),
         loss_opts.scale,
         model.precision(),
+        share,
     )?;
     drop(logits);
 
@@ -248,7 +286,7 @@ pub fn forward_backward(
             d = stage.backward(&ctx, s, grad_out)?;
         }
     }
-    Ok(StepOutput { loss, correct })
+    Ok(())
 }
 
 /// Evaluation forward: running BN statistics, nothing saved. Returns the

@@ -1,7 +1,7 @@
 //! Gradient-norm clipping with `torch.nn.utils.clip_grad_norm_` semantics
 //! (L2 norm, `error_if_nonfinite=False`).
 
-use crate::backend;
+use crate::backend::{self, StepTotals};
 use crate::error::Result;
 use crate::nn::ResNet;
 
@@ -14,7 +14,28 @@ pub fn grad_norm(model: &mut ResNet) -> Result<f32> {
         Ok(s) => sum += s,
         Err(e) => err = err.take().or(Some(e)),
     });
-    err.map_or(Ok(sum.sqrt() as f32), Err)
+    err.map_or(Ok(norm_of(sum)), Err)
+}
+
+/// [`grad_norm`]'s sum of squares added into a step's totals, in the same
+/// order (tensor by tensor, in visit order), so the norm comes back with
+/// the step's one read instead of a read per tensor.
+pub fn grad_sum_squares_into(model: &mut ResNet, totals: &mut StepTotals) -> Result<()> {
+    let mut err = None;
+    model.visit_params(|p| {
+        if err.is_none()
+            && let Err(e) = backend::sum_squares_add(totals, &p.grad)
+        {
+            err = Some(e);
+        }
+    });
+    err.map_or(Ok(()), Err)
+}
+
+/// The total norm from the summed squares: the f64 square root rounded to
+/// f32.
+pub fn norm_of(sum_squares: f64) -> f32 {
+    sum_squares.sqrt() as f32
 }
 
 /// The factor the gradients are multiplied by: `min(max_norm/(total+1e-6), 1)`
@@ -35,19 +56,25 @@ fn sum_sq(g: &[f32]) -> f64 {
 /// before the optimizer step.
 pub fn clip_grad_norm(model: &mut ResNet, max_norm: f32) -> Result<f32> {
     let total = grad_norm(model)?;
-    let c = clip_coef(max_norm, total);
-    if c != 1.0 {
-        let mut err = None;
-        model.visit_params(|p| {
-            if let Err(e) = backend::scale(&mut p.grad, c) {
-                err = err.take().or(Some(e));
-            }
-        });
-        if let Some(e) = err {
-            return Err(e);
-        }
-    }
+    clip_to(model, max_norm, total)?;
     Ok(total)
+}
+
+/// The scaling half of [`clip_grad_norm`], given the total norm (from
+/// [`grad_norm`], or [`norm_of`] a step's totals): queued on the device,
+/// nothing read.
+pub fn clip_to(model: &mut ResNet, max_norm: f32, total_norm: f32) -> Result<()> {
+    let c = clip_coef(max_norm, total_norm);
+    if c == 1.0 {
+        return Ok(());
+    }
+    let mut err = None;
+    model.visit_params(|p| {
+        if let Err(e) = backend::scale(&mut p.grad, c) {
+            err = err.take().or(Some(e));
+        }
+    });
+    err.map_or(Ok(()), Err)
 }
 
 /// [`clip_grad_norm`] over raw gradient slices.

@@ -18,9 +18,11 @@ pub(crate) use crate::ops::optim_update::widen;
 pub use crate::ops::optim_update::{adamw_update, sgd_update};
 pub use adamw::AdamW;
 pub use buckets::GradBuckets;
-pub use clip::{clip_grad_norm, clip_grad_norm_slices, grad_norm};
+pub use clip::{
+    clip_grad_norm, clip_grad_norm_slices, clip_to, grad_norm, grad_sum_squares_into, norm_of,
+};
 pub use kinds::{OptimizerKind, ScheduleKind, lr_schedule};
-pub use scaler::{GradScaler, ScalerStep};
+pub use scaler::{GradScaler, ScalerStep, uses_loss_scaler};
 pub use schedule::{LrSchedule, Schedule};
 
 use crate::backend;

@@ -5,9 +5,18 @@
 //! and the scale halves, and after `growth_interval` consecutive clean steps
 //! the scale doubles (`_amp_update_scale_`).
 
-use crate::backend;
+use crate::backend::{self, StepTotals};
 use crate::error::Result;
 use crate::nn::ResNet;
+use crate::tensor::Precision;
+
+/// Whether training in `p` scales its loss: f16 does (its range
+/// underflows small gradients), fp32 and bf16 do not. Training and the
+/// planner's simulation both ask here (without a scaler a step keeps a
+/// roll-back copy of the BN statistics).
+pub fn uses_loss_scaler(p: Precision) -> bool {
+    p == Precision::F16
+}
 
 /// PyTorch's defaults.
 pub const DEFAULT_INIT_SCALE: f32 = 65536.0;
@@ -52,22 +61,22 @@ impl GradScaler {
     }
 
     /// Multiplies every trainable gradient by 1/scale (PyTorch computes the
-    /// reciprocal in double, then rounds it to float) and reports whether
-    /// any unscaled value is inf or NaN.
-    pub fn unscale(&self, model: &mut ResNet) -> Result<bool> {
+    /// reciprocal in double, then rounds it to float), noting in `totals`
+    /// whether any unscaled value is inf or NaN: one flag for the whole
+    /// model, read with the step's other totals (PyTorch's
+    /// `found_inf.item()`, once per optimizer step).
+    pub fn unscale_into(&self, model: &mut ResNet, totals: &mut StepTotals) -> Result<()> {
         let inv = (1.0 / self.scale as f64) as f32;
-        let mut found_inf = false;
         let mut err = None;
         model.visit_params(|p| {
-            if p.frozen {
+            if p.frozen || err.is_some() {
                 return;
             }
-            match backend::unscale(&mut p.grad, inv) {
-                Ok(inf) => found_inf |= inf,
-                Err(e) => err = err.take().or(Some(e)),
+            if let Err(e) = backend::unscale_add(totals, &mut p.grad, inv) {
+                err = Some(e);
             }
         });
-        err.map_or(Ok(found_inf), Err)
+        err.map_or(Ok(()), Err)
     }
 
     /// `_amp_update_scale_`: back off on inf, else count a clean step and

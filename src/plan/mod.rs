@@ -30,10 +30,10 @@ pub use strategy::{Strategy, segments_plan, stages_plan};
 
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::exec::{LossOptions, Plan, forward_backward, forward_eval};
+use crate::exec::{BnRollback, LossOptions, Plan, forward_backward, forward_eval};
 use crate::memory::{Category, MemoryStats, Pool, Tag};
 use crate::nn::{BnPolicy, Mode, ResNet, ResNetConfig};
-use crate::optim::{GradBuckets, Optimizer};
+use crate::optim::{GradBuckets, Optimizer, uses_loss_scaler};
 
 /// Bytes and FLOPs of one stage for one micro-batch.
 #[derive(Clone, Debug, PartialEq)]
@@ -415,8 +415,16 @@ fn simulate_run(
     let mut opt = optimizer.fresh();
     let labels = vec![0; micro_batch];
     let mut buckets = None;
+    // As `train::TrainStep`: without a loss scaler the step holds a
+    // roll-back copy of the BN statistics (pool bytes on a GPU) until its
+    // finite checks pass.
+    let mut rollback = BnRollback::default();
+    let rolls_back = !uses_loss_scaler(config.precision);
     for _ in 0..2 {
         model.zero_grad();
+        if rolls_back {
+            rollback.save(&pool, &mut model)?;
+        }
         let images = pool.empty_f32(
             &[micro_batch, image_size, image_size, 3],
             Category::Data,
@@ -430,6 +438,7 @@ fn simulate_run(
             &labels,
             LossOptions::default(),
         )?;
+        rollback.release();
         if processes > 1 && buckets.is_none() {
             buckets = Some(GradBuckets::new(&pool, model.trainable_count())?);
         }

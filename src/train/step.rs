@@ -4,12 +4,12 @@
 //! The training loop, `memfit bench` and anything else that trains call
 //! this, so there is one training step in the library.
 
-use crate::backend;
+use crate::backend::{self, StepTotals};
 use crate::error::{Error, Result};
-use crate::exec::{LossOptions, Plan, StepOutput, forward_backward};
+use crate::exec::{BnRollback, LossOptions, Plan, StepOutput, forward_backward_into};
 use crate::memory::{Category, Pool, Tag};
 use crate::nn::{ResNet, StateSlot};
-use crate::optim::{GradScaler, Optimizer, ScalerStep, clip_grad_norm};
+use crate::optim::{GradScaler, Optimizer, ScalerStep, clip_to, grad_sum_squares_into, norm_of};
 use crate::tensor::Tensor;
 
 use super::NanPolicy;
@@ -52,8 +52,9 @@ pub struct TrainStep {
     /// Dynamic loss scaling (f16): `None` trains unscaled.
     pub scaler: Option<GradScaler>,
     /// BN running statistics before the step, to put back when a step is
-    /// dropped (kept across steps so steady-state steps allocate nothing).
-    saved_buffers: BnState,
+    /// dropped (its host vectors are kept across steps so steady-state CPU
+    /// steps allocate nothing).
+    saved_buffers: BnRollback,
     /// Data-parallel training (see [`super::dist`]): `None` in one process.
     pub dist: Option<GradSync>,
 }
@@ -63,7 +64,7 @@ impl TrainStep {
         TrainStep {
             policy,
             scaler,
-            saved_buffers: BnState::default(),
+            saved_buffers: BnRollback::default(),
             dist: None,
         }
     }
@@ -87,6 +88,13 @@ impl TrainStep {
     /// Under [`NanPolicy::Stop`] a non-finite loss, gradient or BN running
     /// statistic is an [`Error::NonFiniteLoss`] and nothing reaches the
     /// weights (its `last_good` is for the caller to fill).
+    ///
+    /// On a GPU the step reads from the device once ([`StepTotals`]): the
+    /// window's loss and hits, the found-inf (or non-finite) flag and the
+    /// clipping norm come back together after the last backward, the
+    /// unscale and the checks are queued, and everything after is queued
+    /// without a read (a dropped step reads once more, to name what was
+    /// non-finite).
     #[allow(clippy::too_many_arguments)]
     pub fn run(
         &mut self,
@@ -106,20 +114,18 @@ impl TrainStep {
         // the forward has already moved the BN running statistics by then,
         // so keep them to put back.
         if self.scaler.is_none() {
-            save_buffers(model, &mut self.saved_buffers)?;
+            self.saved_buffers.save(pool, model)?;
         }
         // The loss of every micro-batch is normalised by the window's
         // sample count, so an uneven last window weighs each sample as a
-        // full one would.
-        let mut out = StepOutput {
-            loss: 0.0,
-            correct: 0,
-        };
+        // full one would; each adds its share into the step's totals.
+        let mut totals = StepTotals::new(pool)?;
         let micro = self.policy.micro_batch.max(1);
         let px = images.len() / labels.len().max(1);
         for (micro_images, micro_labels) in images.chunks(micro * px).zip(labels.chunks(micro)) {
             let x = gather(pool, image_hw, micro_images)?;
-            let o = forward_backward(
+            forward_backward_into(
+                &mut totals,
                 model,
                 pool,
                 &self.policy.plan,
@@ -130,23 +136,45 @@ impl TrainStep {
                     window_samples: Some(n),
                     scale: self.scaler.as_ref().map(|s| s.scale),
                 },
+                Some((micro_labels.len(), n)),
             )?;
-            out.loss += o.loss * micro_labels.len() as f64 / n as f64;
-            out.correct += o.correct;
         }
         if inject_inf {
             inject_inf_grad(model);
         }
         // Once per optimizer step, after the last micro-batch: the summed
-        // gradients, loss and hits, and rank 0's BN running statistics, are
-        // then the same on every rank, so every decision below agrees.
+        // gradients and rank 0's BN running statistics are then the same
+        // on every rank, so every flag below agrees.
         if let Some(d) = self.dist.as_mut() {
             d.sum_grads(pool, model)?;
+            broadcast_buffers(d.comm.as_ref(), model)?;
+        }
+        // Queued, not read: the scaler's unscale (exactly once per
+        // optimizer step, before clipping) or, without one, the finite
+        // checks of every gradient and BN running statistic, then the
+        // clipping norm's squares.
+        match self.scaler.as_ref() {
+            Some(s) => s.unscale_into(model, &mut totals)?,
+            None => {
+                grads_finite_into(model, &mut totals)?;
+                buffers_finite_into(model, &mut totals)?;
+            }
+        }
+        if self.policy.clip_grad_norm.is_some() {
+            grad_sum_squares_into(model, &mut totals)?;
+        }
+        // The step's one read.
+        let read = totals.read()?;
+        drop(totals);
+        let mut out = StepOutput {
+            loss: read.loss,
+            correct: read.correct,
+        };
+        if let Some(d) = self.dist.as_mut() {
             let mut sums = [0.0; 2];
             d.comm.sum_f64(&[out.loss, out.correct as f64], &mut sums)?;
             out.loss = sums[0];
             out.correct = sums[1] as usize;
-            broadcast_buffers(d.comm.as_ref(), model)?;
         }
         // The scaler decides about non-finite values under f16: the step is
         // skipped and the scale backs off. Without one, a non-finite loss
@@ -156,16 +184,15 @@ impl TrainStep {
             None
         } else if !out.loss.is_finite() {
             Some("loss")
-        } else if !grads_finite(model)? {
-            Some("gradient")
-        } else if !buffers_finite(model)? {
-            Some("batch norm running statistic")
+        } else if read.non_finite {
+            Some(name_non_finite(pool, model)?)
         } else {
             None
         };
         if bad.is_some() {
-            restore_buffers(model, &self.saved_buffers)?;
+            self.saved_buffers.restore(model)?;
         }
+        self.saved_buffers.release();
         if let Some(what) = bad
             && self.policy.nan_policy == NanPolicy::Stop
         {
@@ -176,26 +203,19 @@ impl TrainStep {
                 last_good: None,
             });
         }
-        // Unscale exactly once per optimizer step, before clipping.
-        let scaled = match self.scaler.as_mut() {
-            Some(s) => {
-                let found_inf = s.unscale(model)?;
-                Some(ScalerStep {
-                    scale: s.scale,
-                    found_inf,
-                    skipped: found_inf,
-                })
-            }
-            None => None,
-        };
+        let scaled = self.scaler.as_ref().map(|s| ScalerStep {
+            scale: s.scale,
+            found_inf: read.non_finite,
+            skipped: read.non_finite,
+        });
         let skip = bad.is_some() || scaled.is_some_and(|s| s.skipped);
-        let grad_norm = if skip {
-            None
-        } else {
-            self.policy
-                .clip_grad_norm
-                .map(|max| clip_grad_norm(model, max))
-                .transpose()?
+        let grad_norm = match self.policy.clip_grad_norm {
+            Some(max) if !skip => {
+                let total = norm_of(read.sum_squares);
+                clip_to(model, max, total)?;
+                Some(total)
+            }
+            _ => None,
         };
         if !skip {
             optimizer.step(pool, model)?;
@@ -223,83 +243,43 @@ pub(super) fn gather(pool: &Pool, (h, w): (usize, usize), images: &[f32]) -> Res
     Ok(t)
 }
 
-/// Whether every trainable gradient is finite.
-fn grads_finite(model: &mut ResNet) -> Result<bool> {
-    let mut ok = Ok(true);
+/// Notes in `totals` whether a trainable gradient is inf or NaN.
+fn grads_finite_into(model: &mut ResNet, totals: &mut StepTotals) -> Result<()> {
+    let mut res = Ok(());
     model.visit_params(|p| {
-        if matches!(ok, Ok(true)) && !p.frozen {
-            ok = backend::all_finite(&p.grad);
+        if res.is_ok() && !p.frozen {
+            res = backend::check_finite_add(totals, &p.grad);
         }
-    });
-    ok
-}
-
-/// What a forward changes besides the saved tensors: the batch norm running
-/// statistics and `num_batches_tracked`. Kept across steps (cleared and
-/// refilled, so steady-state steps allocate nothing).
-#[derive(Default)]
-struct BnState {
-    stats: Vec<f32>,
-    counts: Vec<i64>,
-}
-
-/// Copies every batch norm running statistic and counter into `out`, on
-/// the host (the roll-back copy is small; it is taken every step trained
-/// without a loss scaler, into buffers kept from the last step).
-fn save_buffers(model: &mut ResNet, out: &mut BnState) -> Result<()> {
-    out.stats.clear();
-    out.counts.clear();
-    let mut res = Ok(());
-    model.visit_state(|slot| match slot {
-        StateSlot::Buffer { tensor, .. } => {
-            let at = out.stats.len();
-            out.stats.resize(at + tensor.numel(), 0.0);
-            if let Err(e) = backend::copy_to_host_into(&mut out.stats[at..], tensor) {
-                res = Err(e);
-            }
-        }
-        StateSlot::Count { value, .. } => out.counts.push(*value),
-        StateSlot::Param { .. } => {}
     });
     res
 }
 
-/// Puts back what [`save_buffers`] copied: a dropped step leaves no trace.
-fn restore_buffers(model: &mut ResNet, from: &BnState) -> Result<()> {
-    let (mut at, mut count) = (0, from.counts.iter());
+/// Notes in `totals` whether a batch norm running statistic is inf or NaN.
+/// A forward whose activations overflow can leave the loss and the
+/// gradients finite (the normalised output saturates) and still poison the
+/// running variance, which only evaluation would reveal.
+fn buffers_finite_into(model: &mut ResNet, totals: &mut StepTotals) -> Result<()> {
     let mut res = Ok(());
-    model.visit_state(|slot| match slot {
-        StateSlot::Buffer { tensor, .. } => {
-            let len = tensor.numel();
-            if let Err(e) = backend::copy_from_host(tensor, &from.stats[at..at + len]) {
-                res = Err(e);
-            }
-            at += len;
-        }
-        StateSlot::Count { value, .. } => {
-            if let Some(c) = count.next() {
-                *value = *c;
-            }
-        }
-        StateSlot::Param { .. } => {}
-    });
-    res
-}
-
-/// Whether every batch norm running statistic is finite. A forward whose
-/// activations overflow can leave the loss and the gradients finite (the
-/// normalised output saturates) and still poison the running variance,
-/// which only evaluation would reveal.
-fn buffers_finite(model: &mut ResNet) -> Result<bool> {
-    let mut ok = Ok(true);
     model.visit_state(|slot| {
         if let StateSlot::Buffer { tensor, .. } = slot
-            && matches!(ok, Ok(true))
+            && res.is_ok()
         {
-            ok = backend::all_finite(tensor);
+            res = backend::check_finite_add(totals, tensor);
         }
     });
-    ok
+    res
+}
+
+/// What a dropped step found non-finite, gradients checked before the BN
+/// statistics (one more read, on a step that is dropped anyway).
+fn name_non_finite(pool: &Pool, model: &mut ResNet) -> Result<&'static str> {
+    let mut grads = StepTotals::new(pool)?;
+    grads_finite_into(model, &mut grads)?;
+    Ok(if grads.read()?.non_finite {
+        "gradient"
+    } else {
+        "batch norm running statistic"
+    })
 }
 
 /// The test hook of [`TrainOptions::inject_inf_steps`]: the first trainable

@@ -906,8 +906,111 @@ pub fn cross_entropy(
     scale: Option<f32>,
     p: Precision,
 ) -> Result<LossOutput> {
+    let st = state(ordinal(d_logits)?)?;
+    let mut host = [0u64; 2];
+    let done = cross_entropy_rows(
+        &st,
+        d_logits,
+        logits,
+        labels,
+        (smoothing, divisor, scale, p),
+        |st, rows| {
+            launch(
+                st,
+                "loss",
+                "cross_entropy_reduce",
+                1,
+                &[
+                    Arg::Ptr(rows.out),
+                    Arg::Ptr(rows.out + 8),
+                    Arg::Ptr(rows.row_loss),
+                    Arg::Ptr(rows.row_correct),
+                    Arg::I32(rows.n),
+                ],
+            )?;
+            st.core.download(&mut host, rows.out)?;
+            Ok(())
+        },
+    )?;
+    if !done {
+        return Ok(LossOutput::default());
+    }
+    Ok(LossOutput {
+        loss: f64::from_bits(host[0]),
+        correct: (host[1] & 0xffff_ffff) as usize,
+    })
+}
+
+/// [`cross_entropy`] whose loss and count are added into a step's totals
+/// on the device (loss.cu's `cross_entropy_reduce_add`): nothing comes back
+/// to the host. `share`: `Some((num, den))` adds `mean * num / den`.
+#[allow(clippy::too_many_arguments)]
+pub fn cross_entropy_add(
+    totals: &Tensor,
+    d_logits: &mut Tensor,
+    logits: &Tensor,
+    labels: &[usize],
+    smoothing: f32,
+    divisor: usize,
+    scale: Option<f32>,
+    p: Precision,
+    share: Option<(usize, usize)>,
+) -> Result<()> {
     let op = "cross_entropy";
     let st = state(ordinal(d_logits)?)?;
+    let (num, den) = share.unwrap_or((1, 1));
+    let num = i64::try_from(num).map_err(|_| Error::invalid(op, "share"))?;
+    let den = i64::try_from(den).map_err(|_| Error::invalid(op, "share"))?;
+    let base = totals.device_address();
+    cross_entropy_rows(
+        &st,
+        d_logits,
+        logits,
+        labels,
+        (smoothing, divisor, scale, p),
+        |st, rows| {
+            launch(
+                st,
+                "loss",
+                "cross_entropy_reduce_add",
+                1,
+                &[
+                    Arg::Ptr(base + scratch::TOTALS_LOSS as u64),
+                    Arg::Ptr(base + scratch::TOTALS_CORRECT as u64),
+                    Arg::Ptr(rows.row_loss),
+                    Arg::Ptr(rows.row_correct),
+                    Arg::I32(rows.n),
+                    Arg::I32(i32::from(share.is_some())),
+                    Arg::I64(num),
+                    Arg::I64(den),
+                ],
+            )
+        },
+    )?;
+    Ok(())
+}
+
+/// Device addresses of the loss scratch's regions, for the reduction.
+struct LossRows {
+    row_loss: u64,
+    row_correct: u64,
+    /// The 16-byte result region of [`scratch::cross_entropy`].
+    out: u64,
+    n: i32,
+}
+
+/// Checks the labels, uploads them and launches the per-row kernel, then
+/// `finish` while the scratch is held. Returns false (and launches
+/// nothing) for an empty batch.
+fn cross_entropy_rows(
+    st: &State,
+    d_logits: &mut Tensor,
+    logits: &Tensor,
+    labels: &[usize],
+    (smoothing, divisor, scale, p): (f32, usize, Option<f32>, Precision),
+    finish: impl FnOnce(&State, &LossRows) -> Result<()>,
+) -> Result<bool> {
+    let op = "cross_entropy";
     let (n, classes) = (logits.dims()[0], logits.dims()[1]);
     if labels.len() != n {
         return Err(Error::ShapeMismatch {
@@ -923,32 +1026,34 @@ pub fn cross_entropy(
         ));
     }
     if n == 0 {
-        return Ok(LossOutput::default());
+        return Ok(false);
     }
     let labels32: Vec<i32> = labels.iter().map(|&l| l as i32).collect();
     let held = d_logits.scratch(scratch::cross_entropy(n), Tag::fixed("loss scratch"), false)?;
     let base = held.device_address();
     let (l, rl, rc, o) = scratch::cross_entropy_offsets(n);
-    let (labels_at, row_loss, row_correct, out) = (
-        base + l as u64,
-        base + rl as u64,
-        base + rc as u64,
-        base + o as u64,
-    );
+    let rows = LossRows {
+        row_loss: base + rl as u64,
+        row_correct: base + rc as u64,
+        out: base + o as u64,
+        n: i32::try_from(n)
+            .map_err(|_| Error::invalid(op, format!("{n} does not fit a kernel's int")))?,
+    };
+    let labels_at = base + l as u64;
     st.core.upload(labels_at, &labels32)?;
     let divisor = i64::try_from(divisor).map_err(|_| Error::invalid(op, "divisor"))?;
     launch(
-        &st,
+        st,
         "loss",
         "cross_entropy_forward_backward",
         n,
         &[
-            Arg::Ptr(row_loss),
-            Arg::Ptr(row_correct),
+            Arg::Ptr(rows.row_loss),
+            Arg::Ptr(rows.row_correct),
             ptr(d_logits),
             ptr(logits),
             Arg::Ptr(labels_at),
-            i32_arg(op, n)?,
+            Arg::I32(rows.n),
             i32_arg(op, classes)?,
             Arg::F32(smoothing),
             Arg::I64(divisor),
@@ -957,25 +1062,9 @@ pub fn cross_entropy(
             Arg::I32(round_arg(p)),
         ],
     )?;
-    launch(
-        &st,
-        "loss",
-        "cross_entropy_reduce",
-        1,
-        &[
-            Arg::Ptr(out),
-            Arg::Ptr(out + 8),
-            Arg::Ptr(row_loss),
-            Arg::Ptr(row_correct),
-            i32_arg(op, n)?,
-        ],
-    )?;
-    let mut host = [0u64; 2];
-    st.core.download(&mut host, out)?;
-    Ok(LossOutput {
-        loss: f64::from_bits(host[0]),
-        correct: (host[1] & 0xffff_ffff) as usize,
-    })
+    finish(st, &rows)?;
+    drop(held);
+    Ok(true)
 }
 
 // ---------------------------------------------------------------------------
@@ -1118,20 +1207,35 @@ const SQ_THREADS: u32 = 256;
 /// reduce.cu's `sum_squares_partial` and `sum_squares_finish` (partials in
 /// a pool scratch); one 8-byte read.
 pub fn sum_squares(t: &Tensor) -> Result<f64> {
+    if t.numel() == 0 {
+        return Ok(0.0); // as scratch::sum_squares: nothing taken
+    }
+    let st = state(ordinal(t)?)?;
+    let total = t.scratch(8, Tag::fixed("sum_squares total"), true)?;
+    sum_squares_add(&total, 0, t)?;
+    let mut host = [0f64; 1];
+    st.core.download(&mut host, total.device_address())?;
+    Ok(host[0])
+}
+
+/// `*acc += Σ x²` of `t` on the device, where `acc` is the f64 at byte
+/// `at` of `acc_in` (reduce.cu's `sum_squares_partial` and
+/// `sum_squares_finish_add`; partials in a pool scratch): a clipping norm
+/// over many tensors without a read per tensor.
+pub fn sum_squares_add(acc_in: &Tensor, at: usize, t: &Tensor) -> Result<()> {
     let op = "sum_squares";
     let st = state(ordinal(t)?)?;
     let n = t.numel();
     if n == 0 {
-        return Ok(0.0);
+        return Ok(());
     }
     let blocks = n.div_ceil(SQ_CHUNK);
     let held = t.scratch(
-        scratch::sum_squares(n),
+        scratch::sum_squares_partials(n),
         Tag::fixed("sum_squares partials"),
         false,
     )?;
     let partial = held.device_address();
-    let total = partial + (blocks * 8) as u64;
     let grid = u32::try_from(blocks).map_err(|_| Error::invalid(op, format!("{n} values")))?;
     launch_shape(
         &st,
@@ -1144,21 +1248,22 @@ pub fn sum_squares(t: &Tensor) -> Result<f64> {
     launch(
         &st,
         "reduce",
-        "sum_squares_finish",
+        "sum_squares_finish_add",
         1,
-        &[Arg::Ptr(total), Arg::Ptr(partial), n64(blocks)],
-    )?;
-    let mut host = [0f64; 1];
-    st.core.download(&mut host, total)?;
-    Ok(host[0])
+        &[
+            Arg::Ptr(acc_in.device_address() + at as u64),
+            Arg::Ptr(partial),
+            n64(blocks),
+        ],
+    )
 }
 
 /// A zeroed 4-byte device flag from the pool, read back after `f` queued
 /// the kernel that may set it.
-fn with_flag(t: &Tensor, f: impl FnOnce(&State, u64) -> Result<()>) -> Result<bool> {
+fn with_flag(t: &Tensor, f: impl FnOnce(u64) -> Result<()>) -> Result<bool> {
     let st = state(ordinal(t)?)?;
     let flag = t.scratch(scratch::FLAG, Tag::fixed("finite flag"), true)?;
-    f(&st, flag.device_address())?;
+    f(flag.device_address())?;
     let mut host = [0i32; 1];
     st.core.download(&mut host, flag.device_address())?;
     Ok(host[0] != 0)
@@ -1172,32 +1277,65 @@ pub fn scale(t: &mut Tensor, c: f32) -> Result<()> {
 
 /// reduce.cu's `unscale` with a pool flag; one 4-byte read.
 pub fn unscale(t: &mut Tensor, inv: f32) -> Result<bool> {
-    let n = t.numel();
-    let addr = t.device_address();
-    with_flag(t, |st, flag| {
-        launch(
-            st,
-            "reduce",
-            "unscale",
-            n,
-            &[Arg::Ptr(addr), Arg::Ptr(flag), n64(n), Arg::F32(inv)],
-        )
-    })
+    with_flag(t, |flag| unscale_flag(t, flag, inv))
 }
 
 /// reduce.cu's `all_finite` with a pool flag; one 4-byte read.
 pub fn all_finite(t: &Tensor) -> Result<bool> {
+    Ok(!with_flag(t, |flag| all_finite_flag(flag, t))?)
+}
+
+/// `t *= inv` on the device (the callers hold `t` mutably), storing 1
+/// into the device int at `flag` when a result is inf or NaN; nothing is
+/// read.
+fn unscale_flag(t: &Tensor, flag: u64, inv: f32) -> Result<()> {
+    let st = state(ordinal(t)?)?;
     let n = t.numel();
-    let found = with_flag(t, |st, flag| {
-        launch(
-            st,
-            "reduce",
-            "all_finite",
-            n,
-            &[Arg::Ptr(flag), ptr(t), n64(n)],
-        )
-    })?;
-    Ok(!found)
+    launch(
+        &st,
+        "reduce",
+        "unscale",
+        n,
+        &[ptr(t), Arg::Ptr(flag), n64(n), Arg::F32(inv)],
+    )
+}
+
+/// Stores 1 into the device int at `flag` when a value of `t` is inf or
+/// NaN; nothing is read.
+fn all_finite_flag(flag: u64, t: &Tensor) -> Result<()> {
+    let st = state(ordinal(t)?)?;
+    let n = t.numel();
+    launch(
+        &st,
+        "reduce",
+        "all_finite",
+        n,
+        &[Arg::Ptr(flag), ptr(t), n64(n)],
+    )
+}
+
+/// [`unscale`] into a step's totals: the flag is the totals' int at byte
+/// `scratch::TOTALS_FLAG`.
+pub fn unscale_into(totals: &Tensor, t: &mut Tensor, inv: f32) -> Result<()> {
+    unscale_flag(
+        t,
+        totals.device_address() + scratch::TOTALS_FLAG as u64,
+        inv,
+    )
+}
+
+/// [`all_finite`] into a step's totals' flag.
+pub fn check_finite_into(totals: &Tensor, t: &Tensor) -> Result<()> {
+    all_finite_flag(totals.device_address() + scratch::TOTALS_FLAG as u64, t)
+}
+
+/// The step's totals ([`scratch::STEP_TOTALS`] bytes) on the host: the
+/// one read of an optimizer step.
+pub fn read_totals(totals: &Tensor) -> Result<[u64; scratch::STEP_TOTALS / 8]> {
+    let st = state(ordinal(totals)?)?;
+    let mut host = [0u64; scratch::STEP_TOTALS / 8];
+    st.core.download(&mut host, totals.device_address())?;
+    Ok(host)
 }
 
 // ---------------------------------------------------------------------------

@@ -49,6 +49,18 @@ extern "C" __global__ void sum_squares_finish(double* out, const double* partial
     *out = total;
 }
 
+// sum_squares_finish, then *acc += the total: a clipping norm's sum over
+// many tensors accumulated on the device in the host's order (tensor by
+// tensor), read once per optimizer step. acc: (1) f64 in/out, zeroed by the
+// caller. Launch: one thread.
+extern "C" __global__ void sum_squares_finish_add(double* acc, const double* partial,
+                                                  long long blocks) {
+    if (global_index() != 0) return;
+    double total = 0.0;
+    for (long long b = 0; b < blocks; b++) total += partial[b];
+    *acc += total;
+}
+
 // Mirrors scale: x *= c. x: (n) in/out. One thread per element.
 extern "C" __global__ void scale(float* x, long long n, float c) {
     long long i = global_index();
