@@ -171,7 +171,7 @@ pub fn gpu_memory_line(pool: &Pool) -> Option<String> {
             Ok((used, total)) => {
                 let reserved = pool.stats().reserved;
                 format!(
-                    "GPU memory outside the pool: {} (CUDA context, cuDNN/cuBLAS handles and workspaces, kernels, other processes); card: {} in use of {}",
+                    "GPU memory outside the pool: {} (CUDA context, cuDNN/cuBLAS handles, kernels, other processes); card: {} in use of {}",
                     crate::memory::fmt_bytes(used.saturating_sub(reserved)),
                     crate::memory::fmt_bytes(used),
                     crate::memory::fmt_bytes(total)

@@ -140,6 +140,38 @@ fn meta_for_cuda_counts_the_ops_scratch() {
         let want = if counts { scratch::cross_entropy(n) } else { 0 };
         assert_eq!(pool.stats().peak.get(ws) - base, want, "{target:?} loss");
         assert_eq!(pool.stats().live.get(ws), base);
+        // The linear layer's GEMMs: cuBLAS's workspace, from the pool, at
+        // cuBLAS's default size for the card (32 MiB + alignment on the
+        // default compute capability 9.0).
+        let (fin, fout) = (24, 10);
+        let x = pool.empty_f32(&[n, fin], ws, Tag::fixed("x")).unwrap();
+        let w = pool.empty_f32(&[fout, fin], ws, Tag::fixed("w")).unwrap();
+        let b = pool.empty_f32(&[fout], ws, Tag::fixed("b")).unwrap();
+        let mut y = pool.empty_f32(&[n, fout], ws, Tag::fixed("y")).unwrap();
+        let mut dx = pool.empty_f32(&[n, fin], ws, Tag::fixed("dx")).unwrap();
+        let mut dw = pool.empty_f32(&[fout, fin], ws, Tag::fixed("dw")).unwrap();
+        let mut db = pool.empty_f32(&[fout], ws, Tag::fixed("db")).unwrap();
+        let cc = device_facts(0).compute_capability;
+        let want = if counts {
+            scratch::cublas_workspace(cc)
+        } else {
+            0
+        };
+        if counts && cc.0 >= 9 {
+            assert_eq!(want, (32 << 20) + 256);
+        }
+        pool.reset_peak();
+        let base = pool.stats().live.get(ws);
+        backend::linear_forward(&mut y, &x, &w, &b, Precision::F32).unwrap();
+        assert_eq!(pool.stats().peak.get(ws) - base, want, "{target:?} linear");
+        pool.reset_peak();
+        backend::linear_backward(&mut dx, &mut dw, &mut db, &y, &x, &w, Precision::F32).unwrap();
+        assert_eq!(
+            pool.stats().peak.get(ws) - base,
+            want,
+            "{target:?} linear backward"
+        );
+        assert_eq!(pool.stats().live.get(ws), base);
     }
 }
 

@@ -110,6 +110,23 @@ fn round_trip_through_device_memory() {
     backend::copy(&mut y, &x).unwrap();
     assert_bits("copy", &host(&y), &v);
     backend::synchronize(pool.device()).unwrap();
+    // Uploads return before their copies run, through page-locked slots
+    // used in turn: more uploads than slots, growing and shrinking, each
+    // from a host vector dropped at once, then each read back.
+    let sizes = [5usize, 300_000, 17, 1 << 20, 3, 64_000, 2, 1 << 21, 9];
+    let sent: Vec<(Tensor, Vec<f32>)> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            let v = values(n, 200 + i as u32);
+            let mut d = empty(&pool, &[n]);
+            backend::copy_from_host(&mut d, &v.clone()).unwrap();
+            (d, v)
+        })
+        .collect();
+    for (i, (d, v)) in sent.iter().enumerate() {
+        assert_bits(&format!("staged upload {i}"), &host(d), v);
+    }
 }
 
 /// Each wired elementwise op on the GPU against the CPU: the same bits.

@@ -423,7 +423,7 @@ pub fn linear_forward(
         Device::Cpu => cpu::linear_forward(y, x, w, b, p),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
         Device::Cuda(_) => cuda::ops::linear_forward(y, x, w, b, p)?,
-        Device::Meta(_) => {}
+        Device::Meta(_) => scratch::count_on_meta(y, &[scratch::cublas_workspace_for(y)])?,
     }
     Ok(())
 }
@@ -442,7 +442,7 @@ pub fn linear_backward(
         Device::Cpu => cpu::linear_backward(dx, dw, db, dy, x, w, p),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
         Device::Cuda(_) => cuda::ops::linear_backward(dx, dw, db, dy, x, w, p)?,
-        Device::Meta(_) => {}
+        Device::Meta(_) => scratch::count_on_meta(dx, &[scratch::cublas_workspace_for(dx)])?,
     }
     Ok(())
 }

@@ -75,6 +75,31 @@ pub const TOTALS_SUM_SQUARES: usize = 8;
 pub const TOTALS_CORRECT: usize = 16;
 pub const TOTALS_FLAG: usize = 20;
 
+/// Alignment cuBLAS asks of a workspace it is given (bytes).
+pub const CUBLAS_ALIGN: usize = 256;
+
+/// cuBLAS's workspace for the linear layer's GEMMs on a GPU of compute
+/// capability `cc`, taken from the pool (so the tracked peak holds it) and
+/// set on the handle before each call: the size cuBLAS gives its own
+/// default workspace (32 MiB from Hopper on, 4 MiB before), plus
+/// [`CUBLAS_ALIGN`] to align it inside pool memory.
+pub fn cublas_workspace(cc: (u32, u32)) -> usize {
+    let mib = if cc.0 >= 9 { 32 } else { 4 };
+    (mib << 20) + CUBLAS_ALIGN
+}
+
+/// [`cublas_workspace`] for `t`'s device (a CUDA device, or a meta device
+/// standing for one; 0 for the CPU, which has none).
+pub fn cublas_workspace_for(t: &Tensor) -> usize {
+    match t.device().target() {
+        crate::device::Target::Cpu => 0,
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        crate::device::Target::Cuda(n) => {
+            cublas_workspace(crate::device::cuda::device_facts(n).compute_capability)
+        }
+    }
+}
+
 /// On a meta device standing in for a CUDA device: allocates scratch of
 /// each size in `bytes` (all live at once, as in the CUDA arm) from `t`'s
 /// pool and drops them, so the plan's peak holds them. Nothing for any

@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use cudarc::driver::{CudaContext, CudaStream, result as drv};
+use cudarc::driver::{CudaContext, CudaStream, result as drv, sys as drv_sys};
 
 // With both features, cudarc fails to compile first (its CUDA 12 and 13
 // bindings conflict); this names the cause should cudarc ever accept both.
@@ -361,6 +361,51 @@ pub struct Core {
     pub ordinal: u32,
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
+    /// The page-locked buffers uploads go through ([`Core::upload`]).
+    staging: Mutex<Staging>,
+}
+
+/// Page-locked host buffers for uploads, used in turn: an upload copies
+/// the caller's values into the next slot on the host and queues the copy
+/// from there, so it returns without waiting for the stream (a copy from
+/// pageable memory would). A slot is refilled only after the copy queued
+/// from it has run (its event), which bounds how far the host runs ahead
+/// of the GPU to [`STAGING_SLOTS`] uploads; with a batch's images and
+/// labels alternating, the images of micro-batch k wait for those of k-2.
+/// A slot grows to the largest upload through it (a training run holds
+/// about two batches of images pinned, as PyTorch's `pin_memory`); the
+/// bytes are host memory, outside the device pool.
+#[derive(Default)]
+struct Staging {
+    slots: Vec<StagingSlot>,
+    next: usize,
+}
+
+/// How many uploads may be queued and not yet run.
+pub const STAGING_SLOTS: usize = 4;
+
+struct StagingSlot {
+    /// `cuMemHostAlloc` memory of `bytes`, or null before the first use.
+    ptr: *mut u8,
+    bytes: usize,
+    /// Recorded after the copy queued from this slot.
+    copied: cudarc::driver::CudaEvent,
+    used: bool,
+}
+
+// SAFETY: the pointer is page-locked host memory owned by the slot and
+// only touched under the `Core`'s staging lock.
+unsafe impl Send for StagingSlot {}
+
+impl Drop for StagingSlot {
+    fn drop(&mut self) {
+        if !self.ptr.is_null() {
+            // The copy from it may still be queued.
+            let _ = self.copied.synchronize();
+            // SAFETY: from cuMemHostAlloc, freed once.
+            let _ = unsafe { drv::free_host(self.ptr.cast()) };
+        }
+    }
 }
 
 /// Why a device could not be started: missing, or a call failed.
@@ -394,6 +439,7 @@ pub fn core(ordinal: u32) -> std::result::Result<Arc<Core>, StartError> {
         ordinal,
         ctx,
         stream,
+        staging: Mutex::new(Staging::default()),
     });
     map.insert(ordinal, core.clone());
     Ok(core)
@@ -445,18 +491,67 @@ impl Core {
             .map_err(call_err("cuMemsetD8Async"))
     }
 
-    /// Copies `src` to device address `dst`, ordered after the queued work;
-    /// returns when the copy is done (the host slice may go after).
+    /// Copies `src` to device address `dst`, ordered after the queued work,
+    /// through a page-locked staging slot ([`Staging`]): returns once `src`
+    /// is copied on the host (the slice may go after), without waiting for
+    /// the stream unless the slot's previous copy has not run yet.
     pub fn upload<T: Copy>(&self, dst: u64, src: &[T]) -> std::result::Result<(), CallError> {
-        if src.is_empty() {
+        let bytes = std::mem::size_of_val(src);
+        if bytes == 0 {
             return Ok(());
         }
         self.bind()?;
-        // SAFETY: dst holds at least size_of_val(src) bytes (the caller's
-        // storage); the stream is synchronised before src can go.
-        unsafe { drv::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
+        let mut staging = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+        if staging.slots.len() < STAGING_SLOTS {
+            let copied = self
+                .ctx
+                .new_event(None)
+                .map_err(call_err("cuEventCreate"))?;
+            staging.slots.push(StagingSlot {
+                ptr: std::ptr::null_mut(),
+                bytes: 0,
+                copied,
+                used: false,
+            });
+        }
+        let at = staging.next % staging.slots.len();
+        staging.next = staging.next.wrapping_add(1);
+        let slot = &mut staging.slots[at];
+        if slot.used {
+            slot.copied
+                .synchronize()
+                .map_err(call_err("cuEventSynchronize"))?;
+        }
+        if slot.bytes < bytes {
+            if !slot.ptr.is_null() {
+                // SAFETY: from cuMemHostAlloc; its last copy has run (above).
+                unsafe { drv::free_host(slot.ptr.cast()) }.map_err(call_err("cuMemFreeHost"))?;
+                slot.ptr = std::ptr::null_mut();
+                slot.bytes = 0;
+            }
+            let want = bytes.next_power_of_two();
+            // SAFETY: a plain page-locked allocation (write-combined: the
+            // host only writes it, the copy engine reads it).
+            let ptr = unsafe { drv::malloc_host(want, drv_sys::CU_MEMHOSTALLOC_WRITECOMBINED) }
+                .map_err(call_err("cuMemHostAlloc"))?;
+            slot.ptr = ptr.cast();
+            slot.bytes = want;
+        }
+        // SAFETY: the slot holds at least `bytes`; no copy reads it now
+        // (its last one has run); `src` is `bytes` of plain values.
+        let staged = unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr().cast::<u8>(), slot.ptr, bytes);
+            std::slice::from_raw_parts(slot.ptr, bytes)
+        };
+        // SAFETY: dst holds at least `bytes` (the caller's storage); the
+        // staged bytes stay until the event below has passed.
+        unsafe { drv::memcpy_htod_async(dst, staged, self.stream.cu_stream()) }
             .map_err(call_err("cuMemcpyHtoDAsync"))?;
-        self.synchronize()
+        slot.copied
+            .record(&self.stream)
+            .map_err(call_err("cuEventRecord"))?;
+        slot.used = true;
+        Ok(())
     }
 
     /// Copies device address `src` into `dst` after the queued work.

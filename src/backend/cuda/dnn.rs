@@ -233,9 +233,8 @@ pub fn query_cudnn_bytes(st: &State, g: &ConvGeom, pass: ConvPass) -> Result<usi
 // ---------------------------------------------------------------------------
 // cuBLAS
 
-/// The device's cuBLAS handle on its stream. cuBLAS keeps its own internal
-/// workspace on the handle (this cudarc version does not bind
-/// `cublasSetWorkspace`): those bytes are outside the pool.
+/// The device's cuBLAS handle on its stream. Its workspace is pool memory
+/// the caller sets before each call ([`set_cublas_workspace`]).
 pub fn cublas(st: &State) -> Result<&CudaBlas> {
     if !Library::Cublas.is_present() {
         return Err(Library::Cublas.missing().into());
@@ -262,6 +261,27 @@ pub fn cublas(st: &State) -> Result<&CudaBlas> {
             reason: format!("{e:?}"),
         })?;
     Ok(b)
+}
+
+/// Gives cuBLAS `bytes` of workspace at device address `at` (pool memory,
+/// 256-byte aligned) for the calls queued until the next one; the pool
+/// memory may be reused after them in stream order.
+pub fn set_cublas_workspace(st: &State, at: u64, bytes: usize) -> Result<()> {
+    let blas = cublas(st)?;
+    // SAFETY: a live handle; [at, at + bytes) is pool memory on this
+    // device that outlives the calls queued with it (stream order).
+    unsafe {
+        cudarc::cublas::sys::cublasSetWorkspace_v2(
+            *blas.handle(),
+            at as *mut std::ffi::c_void,
+            bytes,
+        )
+    }
+    .result()
+    .map_err(|e| Error::Cuda {
+        op: "cublasSetWorkspace",
+        reason: format!("{e:?}"),
+    })
 }
 
 /// Column-major `c (m×n) = alpha·op(a)·op(b) + beta·c` (cuBLAS sgemm) on

@@ -402,6 +402,17 @@ pub fn conv2d_backward(
     transpose_weight(&st, dw_t, dw, g, true)
 }
 
+/// cuBLAS's workspace from the pool of `t` ([`scratch::cublas_workspace`]),
+/// set on the handle; held by the caller until its GEMMs are queued.
+fn cublas_workspace(st: &State, t: &Tensor) -> Result<Tensor> {
+    let bytes = scratch::cublas_workspace_for(t);
+    let held = t.scratch(bytes, Tag::fixed("cublas workspace"), false)?;
+    let align = scratch::CUBLAS_ALIGN as u64;
+    let at = held.device_address().next_multiple_of(align);
+    dnn::set_cublas_workspace(st, at, bytes - scratch::CUBLAS_ALIGN)?;
+    Ok(held)
+}
+
 /// `y = x·wᵀ + b`: `bias_rows` fills `y` with `b`, then one sgemm with
 /// beta = 1. Row-major (n, out) `y` is column-major (out × n) `yᵀ = w·xᵀ`.
 pub fn linear_forward(
@@ -422,6 +433,7 @@ pub fn linear_forward(
         n * fout,
         &[ptr(y), ptr(b), n64(n), i32_arg(op, fout)?],
     )?;
+    let _workspace = cublas_workspace(&st, y)?;
     dnn::sgemm(
         &st,
         true,
@@ -453,6 +465,7 @@ pub fn linear_backward(
     let st = state(ordinal(dx)?)?;
     let (fout, fin) = (w.dims()[0], w.dims()[1]);
     let n = dy.dims()[0];
+    let _workspace = cublas_workspace(&st, dx)?;
     // Column-major: dwᵀ (in × out) += xᵀ (in × n) · dy (n × out).
     dnn::sgemm(
         &st,
