@@ -121,3 +121,40 @@ fn the_numerics_policy_reaches_the_ptx() {
         assert!(!text.contains(".ftz.f32"), "{name}: f32 flush to zero");
     }
 }
+
+/// Every kernel the CUDA arm launches by a literal `"module", "name"` pair
+/// (in `src/backend/cuda/ops.rs`) is an `extern "C"` kernel of that module's
+/// source, so a renamed or removed kernel fails here, on any machine,
+/// instead of at its first launch on a GPU. Needs no NVRTC.
+#[test]
+fn every_launched_kernel_exists() {
+    let ops = include_str!("../src/backend/cuda/ops.rs");
+    let mut checked = 0;
+    // Literal pairs as the launches write them: `"module",` then
+    // (perhaps after a line break) `"name",`.
+    let words: Vec<&str> = ops
+        .split(|c: char| c.is_whitespace())
+        .filter(|w| !w.is_empty())
+        .collect();
+    let literal = |w: &str| {
+        w.strip_suffix(',')
+            .and_then(|w| w.strip_prefix('"'))
+            .and_then(|w| w.strip_suffix('"'))
+            .filter(|w| w.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'))
+            .map(str::to_owned)
+    };
+    for pair in words.windows(2) {
+        let (Some(module), Some(name)) = (literal(pair[0]), literal(pair[1])) else {
+            continue;
+        };
+        let Some(&(_, source)) = KERNEL_SOURCES.iter().find(|(m, _)| *m == module) else {
+            continue;
+        };
+        assert!(
+            kernel_names(source).iter().any(|k| *k == name),
+            "ops.rs launches {module}::{name}, which {module}.cu does not define"
+        );
+        checked += 1;
+    }
+    assert!(checked >= 20, "found only {checked} literal launches");
+}

@@ -472,18 +472,23 @@ pub fn cross_entropy(
     scale: Option<f32>,
     p: Precision,
 ) -> Result<LossOutput> {
-    note_host_read(d_logits.device());
-    match d_logits.device() {
-        Device::Cpu => cpu::cross_entropy(d_logits, logits, labels, smoothing, divisor, scale, p),
-        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => {
-            cuda::ops::cross_entropy(d_logits, logits, labels, smoothing, divisor, scale, p)
-        }
-        Device::Meta(_) => {
-            scratch::count_on_meta(d_logits, &[scratch::cross_entropy(labels.len())])?;
-            Ok(LossOutput::default())
-        }
-    }
+    let mut totals = StepTotals::for_op(d_logits)?;
+    cross_entropy_add(
+        &mut totals,
+        d_logits,
+        logits,
+        labels,
+        smoothing,
+        divisor,
+        scale,
+        p,
+        None,
+    )?;
+    let t = totals.read()?;
+    Ok(LossOutput {
+        loss: t.loss,
+        correct: t.correct,
+    })
 }
 
 // ---------------------------------------------------------------------------

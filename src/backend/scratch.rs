@@ -28,22 +28,21 @@ fn a16(b: usize) -> usize {
     b.next_multiple_of(16)
 }
 
-/// Cross-entropy over `n` rows: labels (i32), per-row losses (f64),
-/// per-row hits (i32), then the 16-byte result (f64 loss, i32 count), each
-/// region starting on 16 bytes. Offsets: see [`cross_entropy_offsets`].
+/// Cross-entropy over `n` rows: labels (i32), per-row losses (f64) and
+/// per-row hits (i32), each region starting on 16 bytes (the loss and the
+/// count go to a [`STEP_TOTALS`]). Offsets: see [`cross_entropy_offsets`].
 pub fn cross_entropy(n: usize) -> usize {
     if n == 0 {
         return 0; // nothing to compute, nothing taken
     }
-    a16(4 * n) + a16(8 * n) + a16(4 * n) + 16
+    a16(4 * n) + a16(8 * n) + a16(4 * n)
 }
 
-/// Byte offsets of (labels, row losses, row hits, result) in
-/// [`cross_entropy`]'s scratch.
-pub fn cross_entropy_offsets(n: usize) -> (usize, usize, usize, usize) {
+/// Byte offsets of (labels, row losses, row hits) in [`cross_entropy`]'s
+/// scratch.
+pub fn cross_entropy_offsets(n: usize) -> (usize, usize, usize) {
     let row_loss = a16(4 * n);
-    let row_correct = row_loss + a16(8 * n);
-    (0, row_loss, row_correct, row_correct + a16(4 * n))
+    (0, row_loss, row_loss + a16(8 * n))
 }
 
 /// Sum of squares over `n` values read back alone: the block partials and

@@ -59,6 +59,24 @@ impl StepTotals {
         })
     }
 
+    /// Zeroed totals for one op on `like`'s device, from the pool of
+    /// `like` (pool scratch, as the op's own).
+    pub fn for_op(like: &Tensor) -> Result<Self> {
+        let device = match like.device().target() {
+            Target::Cpu => None,
+            #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+            Target::Cuda(_) => Some(like.scratch(
+                scratch::STEP_TOTALS,
+                crate::memory::Tag::fixed("loss totals"),
+                true,
+            )?),
+        };
+        Ok(StepTotals {
+            host: Totals::default(),
+            device,
+        })
+    }
+
     /// The totals on the host: one read on CUDA (it waits for everything
     /// queued so far), none on the CPU.
     pub fn read(&self) -> Result<Totals> {

@@ -209,10 +209,12 @@ pub fn measure_steps_on(
     let mut times = Vec::new();
     let mut sync_times = Vec::new();
     let mut timed_from = pool.stats();
+    let mut reads_from = crate::backend::host_reads();
     for i in 0..a.warmup + a.steps {
         if i == a.warmup {
             pool.reset_peak();
             timed_from = pool.stats();
+            reads_from = crate::backend::host_reads();
             crate::profile::enable(a.profile);
         }
         let t = Instant::now();
@@ -229,6 +231,9 @@ pub fn measure_steps_on(
                 false,
             )?
             .loss;
+        // On a GPU the step returns once its optimizer update is queued:
+        // each timed step includes its own update, not the one before.
+        crate::backend::synchronize(pool.device())?;
         let secs = t.elapsed().as_secs_f64();
         let kind = if i < a.warmup { "warm-up" } else { "step" };
         if verbose {
@@ -263,6 +268,12 @@ pub fn measure_steps_on(
     );
     if let Some(line) = gpu_memory_line(&pool) {
         outln!(out, "{line}");
+        // Each read from the device waits for the work queued before it.
+        outln!(
+            out,
+            "reads from the device per timed step: {:.1}",
+            (crate::backend::host_reads() - reads_from) as f64 / a.steps as f64
+        );
     }
     let sync = if processes > 1 {
         sync_times.sort_by(f64::total_cmp);

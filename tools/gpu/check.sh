@@ -44,6 +44,8 @@ step vs_cpu 240 "$HERE/cuda_vs_cpu" --nocapture --test-threads=1
 # prediction), a short training run on the embedded digits.
 step bench_tiny 60 "$B" bench step --device cuda --model resnet18 --base-width 8 --image-size 32 --batch-size 8 --steps 2 --warmup 1
 step bench_r50_b64 120 "$B" bench step --device cuda --model resnet50 --image-size 224 --batch-size 64 --steps 5 --warmup 2
+# One read from the device per optimizer step (backend::StepTotals).
+grep -h "reads from the device per timed step" "$OUT"/bench_*.log >> "$SUMMARY" 2>/dev/null
 step train_digits 120 "$B" train --device cuda --epochs 2 --metrics-jsonl "$OUT/digits.jsonl"
 # Side by side with PyTorch, if time is left (python3 there has torch); it
 # runs bench max-batch under 3.5 GiB too (predictions, minutes of one CPU

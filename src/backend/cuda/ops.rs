@@ -36,8 +36,8 @@ use std::ffi::c_void;
 use super::dnn;
 use super::state::{State, state};
 use crate::accounting::Tag;
+use crate::backend::ConvPass;
 use crate::backend::scratch::{self, BN_CHUNK_ROWS, SQ_CHUNK};
-use crate::backend::{ConvPass, LossOutput};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::ops::conv2d::ConvGeom;
@@ -908,55 +908,10 @@ pub fn avgpool_backward(dx: &mut Tensor, dy: &Tensor, p: Precision) -> Result<()
 // Loss
 
 /// loss.cu's `cross_entropy_forward_backward` (one thread per row) and
-/// `cross_entropy_reduce`, with the labels uploaded as i32 into a pool
-/// scratch; the loss and the count come back in one 16-byte read.
-pub fn cross_entropy(
-    d_logits: &mut Tensor,
-    logits: &Tensor,
-    labels: &[usize],
-    smoothing: f32,
-    divisor: usize,
-    scale: Option<f32>,
-    p: Precision,
-) -> Result<LossOutput> {
-    let st = state(ordinal(d_logits)?)?;
-    let mut host = [0u64; 2];
-    let done = cross_entropy_rows(
-        &st,
-        d_logits,
-        logits,
-        labels,
-        (smoothing, divisor, scale, p),
-        |st, rows| {
-            launch(
-                st,
-                "loss",
-                "cross_entropy_reduce",
-                1,
-                &[
-                    Arg::Ptr(rows.out),
-                    Arg::Ptr(rows.out + 8),
-                    Arg::Ptr(rows.row_loss),
-                    Arg::Ptr(rows.row_correct),
-                    Arg::I32(rows.n),
-                ],
-            )?;
-            st.core.download(&mut host, rows.out)?;
-            Ok(())
-        },
-    )?;
-    if !done {
-        return Ok(LossOutput::default());
-    }
-    Ok(LossOutput {
-        loss: f64::from_bits(host[0]),
-        correct: (host[1] & 0xffff_ffff) as usize,
-    })
-}
-
-/// [`cross_entropy`] whose loss and count are added into a step's totals
-/// on the device (loss.cu's `cross_entropy_reduce_add`): nothing comes back
-/// to the host. `share`: `Some((num, den))` adds `mean * num / den`.
+/// `cross_entropy_reduce_add`, with the labels uploaded as i32 into a pool
+/// scratch: the loss and the count are added into a step's totals on the
+/// device (nothing comes back to the host). `share`: `Some((num, den))`
+/// adds `mean * num / den`.
 #[allow(clippy::too_many_arguments)]
 pub fn cross_entropy_add(
     totals: &Tensor,
@@ -971,59 +926,6 @@ pub fn cross_entropy_add(
 ) -> Result<()> {
     let op = "cross_entropy";
     let st = state(ordinal(d_logits)?)?;
-    let (num, den) = share.unwrap_or((1, 1));
-    let num = i64::try_from(num).map_err(|_| Error::invalid(op, "share"))?;
-    let den = i64::try_from(den).map_err(|_| Error::invalid(op, "share"))?;
-    let base = totals.device_address();
-    cross_entropy_rows(
-        &st,
-        d_logits,
-        logits,
-        labels,
-        (smoothing, divisor, scale, p),
-        |st, rows| {
-            launch(
-                st,
-                "loss",
-                "cross_entropy_reduce_add",
-                1,
-                &[
-                    Arg::Ptr(base + scratch::TOTALS_LOSS as u64),
-                    Arg::Ptr(base + scratch::TOTALS_CORRECT as u64),
-                    Arg::Ptr(rows.row_loss),
-                    Arg::Ptr(rows.row_correct),
-                    Arg::I32(rows.n),
-                    Arg::I32(i32::from(share.is_some())),
-                    Arg::I64(num),
-                    Arg::I64(den),
-                ],
-            )
-        },
-    )?;
-    Ok(())
-}
-
-/// Device addresses of the loss scratch's regions, for the reduction.
-struct LossRows {
-    row_loss: u64,
-    row_correct: u64,
-    /// The 16-byte result region of [`scratch::cross_entropy`].
-    out: u64,
-    n: i32,
-}
-
-/// Checks the labels, uploads them and launches the per-row kernel, then
-/// `finish` while the scratch is held. Returns false (and launches
-/// nothing) for an empty batch.
-fn cross_entropy_rows(
-    st: &State,
-    d_logits: &mut Tensor,
-    logits: &Tensor,
-    labels: &[usize],
-    (smoothing, divisor, scale, p): (f32, usize, Option<f32>, Precision),
-    finish: impl FnOnce(&State, &LossRows) -> Result<()>,
-) -> Result<bool> {
-    let op = "cross_entropy";
     let (n, classes) = (logits.dims()[0], logits.dims()[1]);
     if labels.len() != n {
         return Err(Error::ShapeMismatch {
@@ -1039,34 +941,32 @@ fn cross_entropy_rows(
         ));
     }
     if n == 0 {
-        return Ok(false);
+        return Ok(());
     }
+    let wide = |v: usize, what: &str| {
+        i64::try_from(v).map_err(|_| Error::invalid(op, format!("{what} {v}")))
+    };
+    let (num, den) = share.unwrap_or((1, 1));
+    let (num, den) = (wide(num, "share")?, wide(den, "share")?);
     let labels32: Vec<i32> = labels.iter().map(|&l| l as i32).collect();
     let held = d_logits.scratch(scratch::cross_entropy(n), Tag::fixed("loss scratch"), false)?;
     let base = held.device_address();
-    let (l, rl, rc, o) = scratch::cross_entropy_offsets(n);
-    let rows = LossRows {
-        row_loss: base + rl as u64,
-        row_correct: base + rc as u64,
-        out: base + o as u64,
-        n: i32::try_from(n)
-            .map_err(|_| Error::invalid(op, format!("{n} does not fit a kernel's int")))?,
-    };
-    let labels_at = base + l as u64;
+    let (l, rl, rc) = scratch::cross_entropy_offsets(n);
+    let (labels_at, row_loss, row_correct) = (base + l as u64, base + rl as u64, base + rc as u64);
     st.core.upload(labels_at, &labels32)?;
-    let divisor = i64::try_from(divisor).map_err(|_| Error::invalid(op, "divisor"))?;
+    let divisor = wide(divisor, "divisor")?;
     launch(
-        st,
+        &st,
         "loss",
         "cross_entropy_forward_backward",
         n,
         &[
-            Arg::Ptr(rows.row_loss),
-            Arg::Ptr(rows.row_correct),
+            Arg::Ptr(row_loss),
+            Arg::Ptr(row_correct),
             ptr(d_logits),
             ptr(logits),
             Arg::Ptr(labels_at),
-            Arg::I32(rows.n),
+            i32_arg(op, n)?,
             i32_arg(op, classes)?,
             Arg::F32(smoothing),
             Arg::I64(divisor),
@@ -1075,9 +975,23 @@ fn cross_entropy_rows(
             Arg::I32(round_arg(p)),
         ],
     )?;
-    finish(st, &rows)?;
-    drop(held);
-    Ok(true)
+    let totals = totals.device_address();
+    launch(
+        &st,
+        "loss",
+        "cross_entropy_reduce_add",
+        1,
+        &[
+            Arg::Ptr(totals + scratch::TOTALS_LOSS as u64),
+            Arg::Ptr(totals + scratch::TOTALS_CORRECT as u64),
+            Arg::Ptr(row_loss),
+            Arg::Ptr(row_correct),
+            i32_arg(op, n)?,
+            Arg::I32(i32::from(share.is_some())),
+            Arg::I64(num),
+            Arg::I64(den),
+        ],
+    )
 }
 
 // ---------------------------------------------------------------------------

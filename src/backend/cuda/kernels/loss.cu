@@ -54,30 +54,13 @@ extern "C" __global__ void cross_entropy_forward_backward(
     row_correct[row] = best == label;
 }
 
-// The batch's mean loss and correct count, rows added in order.
-// loss: (1) f64 out; correct: (1) int out; row_loss, row_correct: (n).
-// Launch: one thread (n is the batch).
-extern "C" __global__ void cross_entropy_reduce(double* loss, int* correct,
-                                                const double* row_loss, const int* row_correct,
-                                                int n) {
-    if (global_index() != 0) return;
-    double total = 0.0;
-    int count = 0;
-    for (int r = 0; r < n; r++) {
-        total += row_loss[r];
-        count += row_correct[r];
-    }
-    *loss = total / (double)n;
-    *correct = count;
-}
-
-// cross_entropy_reduce, added into a step's totals instead of returned:
-// *acc_loss += mean (weighted = 0) or += mean * num / den (the micro-batch's
-// share of its window, in the host's order of operations), *acc_correct +=
-// the count. So the losses of every micro-batch of an optimizer step reach
-// the host in one read at its end. acc_loss: (1) f64 in/out; acc_correct:
-// (1) int in/out; both zeroed by the caller once per step. Launch: one
-// thread.
+// The batch's mean loss (rows added in order) and correct count, added into
+// a step's totals: *acc_loss += mean (weighted = 0) or += mean * num / den
+// (a micro-batch's share of its window, in the host's order of operations),
+// *acc_correct += the count. So the losses of every micro-batch of an
+// optimizer step reach the host in one read at its end. acc_loss: (1) f64
+// in/out; acc_correct: (1) int in/out; both zeroed once per step by the
+// caller; row_loss, row_correct: (n). Launch: one thread (n is the batch).
 extern "C" __global__ void cross_entropy_reduce_add(double* acc_loss, int* acc_correct,
                                                     const double* row_loss,
                                                     const int* row_correct, int n,
