@@ -171,3 +171,28 @@ fn metrics_csv_has_a_header_a_row_per_step_and_eval_rows() {
     let text = std::fs::read_to_string(&csv).unwrap();
     assert_eq!(text.lines().filter(|l| l.starts_with("step,")).count(), 1);
 }
+
+/// `memfit --version` names the commit it was built from (in a git
+/// checkout, as CI's clean clone is), so a bug report says what ran.
+#[test]
+fn version_names_the_commit() {
+    let (code, out, err) = memfit(&["--version"]);
+    assert_eq!(code, 0, "{err}");
+    let line = out.trim();
+    let version = concat!("memfit ", env!("CARGO_PKG_VERSION"));
+    assert!(line.starts_with(version), "{line}");
+    let in_git = std::process::Command::new("git")
+        .args(["rev-parse", "--short=7", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned());
+    match in_git {
+        Some(head) => assert!(
+            line.contains(&format!("({head}")),
+            "{line} should name HEAD {head}"
+        ),
+        None => assert_eq!(line, version),
+    }
+}

@@ -70,7 +70,7 @@ macro_rules! outln {
 #[derive(Parser)]
 #[command(
     name = "memfit",
-    version,
+    version = env!("MEMFIT_VERSION"),
     about = "Train ResNet image classifiers inside a memory budget"
 )]
 struct Cli {
