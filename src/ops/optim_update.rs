@@ -47,6 +47,42 @@ pub fn sgd_update(
     }
 }
 
+/// The per-step scalars of [`adamw_update`], made on the host in f64 from
+/// the widened hyper-parameters as PyTorch's Python floats; every device's
+/// update takes these (the CUDA kernel too), so they cannot drift apart.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWScalars {
+    /// `1 - lr·wd`, applied to the weight first when `apply_decay`.
+    pub decay: f32,
+    /// The lerp weight of the first moment, `1 - β1`.
+    pub w1: f32,
+    /// `1 - β2`.
+    pub w2: f32,
+    pub beta2: f32,
+    /// `-lr / (1 - β1^t)`.
+    pub neg_step: f32,
+    /// `sqrt(1 - β2^t)`.
+    pub bc2_sqrt: f32,
+    pub apply_decay: bool,
+}
+
+/// [`AdamWScalars`] for step `t` (1-based).
+pub fn adamw_scalars(t: u64, lr: f32, beta1: f32, beta2: f32, weight_decay: f32) -> AdamWScalars {
+    let (lr64, b1, b2) = (widen(lr), widen(beta1), widen(beta2));
+    let ti = i32::try_from(t).unwrap_or(i32::MAX);
+    let bc1 = 1.0 - b1.powi(ti);
+    let bc2 = 1.0 - b2.powi(ti);
+    AdamWScalars {
+        decay: (1.0 - lr64 * widen(weight_decay)) as f32,
+        w1: (1.0 - b1) as f32,
+        w2: (1.0 - b2) as f32,
+        beta2,
+        neg_step: (-(lr64 / bc1)) as f32,
+        bc2_sqrt: bc2.sqrt() as f32,
+        apply_decay: weight_decay != 0.0,
+    }
+}
+
 /// One AdamW update of one parameter tensor at step `t` (1-based, already
 /// incremented), in the order of PyTorch's `_single_tensor_adam`:
 ///
@@ -77,17 +113,15 @@ pub fn adamw_update(
         g.len() == n && m.len() == n && v.len() == n,
         "adamw_update: lengths"
     );
-    let (lr64, b1, b2) = (widen(lr), widen(beta1), widen(beta2));
-    let decay = (1.0 - lr64 * widen(weight_decay)) as f32;
-    let w1 = (1.0 - b1) as f32; // lerp weight
-    let w2 = (1.0 - b2) as f32;
-    let b2f = beta2;
-    let ti = i32::try_from(t).unwrap_or(i32::MAX);
-    let bc1 = 1.0 - b1.powi(ti);
-    let bc2 = 1.0 - b2.powi(ti);
-    let neg_step = (-(lr64 / bc1)) as f32;
-    let bc2_sqrt = bc2.sqrt() as f32;
-    let apply_decay = weight_decay != 0.0;
+    let AdamWScalars {
+        decay,
+        w1,
+        w2,
+        beta2: b2f,
+        neg_step,
+        bc2_sqrt,
+        apply_decay,
+    } = adamw_scalars(t, lr, beta1, beta2, weight_decay);
     for i in 0..n {
         let gi = g[i];
         let mut wi = w[i];
@@ -107,5 +141,27 @@ pub fn adamw_update(
         m[i] = mi;
         v[i] = vi;
         w[i] = wi;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The scalars come from the hyper-parameters as typed (0.9, not the
+    /// f32 0.89999997615814): with the raw widening `w1`, `w2`, the step
+    /// and the bias correction all get other bits (the CUDA launch once
+    /// made them so; both now share `adamw_scalars`).
+    #[test]
+    fn adamw_scalars_widen_the_hyper_parameters_as_typed() {
+        let k = adamw_scalars(1, 1e-3, 0.9, 0.999, 0.01);
+        assert_eq!(k.w1, (1.0 - 0.9f64) as f32);
+        assert_eq!(k.w2, (1.0 - 0.999f64) as f32);
+        assert_eq!(k.neg_step, (-(1e-3f64 / (1.0 - 0.9f64))) as f32);
+        assert_eq!(k.bc2_sqrt, (1.0 - 0.999f64).sqrt() as f32);
+        assert_eq!(k.decay, (1.0 - 1e-3f64 * 0.01) as f32);
+        let raw_w1 = (1.0 - f64::from(0.9f32)) as f32;
+        assert_ne!(k.w1.to_bits(), raw_w1.to_bits());
+        assert!(k.apply_decay && !adamw_scalars(1, 1e-3, 0.9, 0.999, 0.0).apply_decay);
     }
 }

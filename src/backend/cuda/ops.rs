@@ -110,6 +110,20 @@ fn n64(n: usize) -> Arg {
     Arg::I64(n as i64)
 }
 
+/// Whether `t` is stored as bf16 (else f32) for a kernel that has both
+/// variants; any other type is an error, not a kernel reading 4 bytes per
+/// element of a 2-byte buffer.
+fn is_bf16(op: &'static str, t: &Tensor) -> Result<bool> {
+    match t.dtype() {
+        DType::BF16 => Ok(true),
+        DType::F32 => Ok(false),
+        other => Err(Error::invalid(
+            op,
+            format!("{} is {other:?}; this kernel reads f32 or bf16", t.tag()),
+        )),
+    }
+}
+
 fn i32_arg(op: &'static str, v: usize) -> Result<Arg> {
     i32::try_from(v)
         .map(Arg::I32)
@@ -625,12 +639,12 @@ fn bn_forward_any(
     let c = mean.numel();
     let n = x.numel();
     let rows = n.checked_div(c).unwrap_or(0);
-    let y_bf16 = y.dtype() == DType::BF16;
-    let name = match (x.dtype(), y_bf16) {
-        (DType::BF16, false) => "bn_forward_xbf16_yf32",
-        (DType::BF16, true) => "bn_forward_xbf16_ybf16",
-        (_, false) => "bn_forward_xf32_yf32",
-        (_, true) => "bn_forward_xf32_ybf16",
+    let y_bf16 = is_bf16("bn_forward", y)?;
+    let name = match (is_bf16("bn_forward", x)?, y_bf16) {
+        (true, false) => "bn_forward_xbf16_yf32",
+        (true, true) => "bn_forward_xbf16_ybf16",
+        (false, false) => "bn_forward_xf32_yf32",
+        (false, true) => "bn_forward_xf32_ybf16",
     };
     let mut args = vec![
         ptr(y),
@@ -704,10 +718,11 @@ pub fn bn_backward(
     if rows == 0 {
         return Ok(());
     }
-    let suffix = match (
-        x.dtype() == DType::BF16,
-        relu_out.is_some_and(|o| o.dtype() == DType::BF16),
-    ) {
+    let out_bf16 = match relu_out {
+        Some(o) => is_bf16(op, o)?,
+        None => false,
+    };
+    let suffix = match (is_bf16(op, x)?, out_bf16) {
         (false, false) => "xf32_of32",
         (false, true) => "xf32_obf16",
         (true, false) => "xbf16_of32",
@@ -786,7 +801,7 @@ pub fn add_relu_forward(
 ) -> Result<()> {
     let st = state(ordinal(z)?)?;
     let n = z.numel();
-    let name = if residual.dtype() == DType::BF16 {
+    let name = if is_bf16("add_relu_forward", residual)? {
         "add_relu_forward_bf16"
     } else {
         "add_relu_forward_f32"
@@ -933,6 +948,13 @@ pub fn cross_entropy_add(
             expected: format!("{n} labels"),
             got: labels.len().to_string(),
         });
+    }
+    // The CPU's checks, before anything is uploaded.
+    if divisor < n {
+        return Err(Error::invalid(
+            op,
+            format!("divisor {divisor} is smaller than the batch of {n}"),
+        ));
     }
     if let Some(&bad) = labels.iter().find(|&&l| l >= classes) {
         return Err(Error::invalid(
@@ -1100,30 +1122,22 @@ pub fn adamw_update(
     }
     let st = state(ordinal(value)?)?;
     let n = value.numel();
-    // The scalars exactly as src/ops/optim_update.rs makes them.
-    let (lr64, b1, b2) = (f64::from(lr), f64::from(beta1), f64::from(beta2));
-    let decay = (1.0 - lr64 * f64::from(weight_decay)) as f32;
-    let w1 = (1.0 - b1) as f32;
-    let w2 = (1.0 - b2) as f32;
-    let ti = i32::try_from(t).unwrap_or(i32::MAX);
-    let bc1 = 1.0 - b1.powi(ti);
-    let bc2 = 1.0 - b2.powi(ti);
-    let neg_step = (-(lr64 / bc1)) as f32;
-    let bc2_sqrt = bc2.sqrt() as f32;
+    // The CPU's scalars (the widened hyper-parameters, in f64).
+    let k = crate::ops::optim_update::adamw_scalars(t, lr, beta1, beta2, weight_decay);
     let args = [
         ptr(value),
         ptr(exp_avg),
         ptr(exp_avg_sq),
         ptr(grad),
         n64(n),
-        Arg::F32(decay),
-        Arg::F32(w1),
-        Arg::F32(w2),
-        Arg::F32(beta2),
-        Arg::F32(neg_step),
-        Arg::F32(bc2_sqrt),
+        Arg::F32(k.decay),
+        Arg::F32(k.w1),
+        Arg::F32(k.w2),
+        Arg::F32(k.beta2),
+        Arg::F32(k.neg_step),
+        Arg::F32(k.bc2_sqrt),
         Arg::F32(eps),
-        Arg::I32(i32::from(weight_decay != 0.0)),
+        Arg::I32(i32::from(k.apply_decay)),
     ];
     launch(&st, "optim", "adamw_update", n, &args)
 }
