@@ -140,7 +140,18 @@ impl PoolState {
                 }
             }
         };
-        self.arena.add_segment(segment)?;
+        let segment = match self.arena.add_segment(segment) {
+            Ok(()) => segment,
+            // A GPU commits a segment whole (the host pages it lazily), so
+            // the card may refuse what the budget allows: give back the
+            // cached unused segments and ask for the request alone, as
+            // PyTorch's caching allocator does before it reports OOM.
+            Err(_) => {
+                self.arena.release_unused(usize::MAX);
+                self.arena.add_segment(bytes)?;
+                bytes
+            }
+        };
         self.system_allocs += 1;
         self.system_alloc_bytes += segment;
         self.reserved_peak = self.reserved_peak.max(self.arena.reserved());

@@ -213,14 +213,29 @@ pub fn cudnn_workspace_bytes(d: &ConvDescs, pass: ConvPass) -> Result<usize> {
 }
 
 /// Bytes of the transposed-weight regions at the front of a convolution's
-/// workspace: the weight in OHWI (both passes) and, for the backward, the
-/// OHWI weight gradient cuDNN writes before it is added into `dw`.
+/// workspace: [`WS_ALIGN`] of slack to align the regions (a pool block is
+/// only 64-byte aligned; see [`regions_base`]), then the weight in OHWI
+/// (both passes) and, for the backward, the OHWI weight gradient cuDNN
+/// writes before it is added into `dw`, each a multiple of [`WS_ALIGN`].
 pub fn weight_regions_bytes(g: &ConvGeom, pass: ConvPass) -> usize {
-    let one = (g.kh * g.kw * g.cin * g.cout * 4).next_multiple_of(WS_ALIGN);
-    match pass {
-        ConvPass::Forward => one,
-        ConvPass::Backward => 2 * one,
-    }
+    let one = weight_region_bytes(g);
+    WS_ALIGN
+        + match pass {
+            ConvPass::Forward => one,
+            ConvPass::Backward => 2 * one,
+        }
+}
+
+/// One OHWI weight region, rounded up to [`WS_ALIGN`].
+pub fn weight_region_bytes(g: &ConvGeom) -> usize {
+    (g.kh * g.kw * g.cin * g.cout * 4).next_multiple_of(WS_ALIGN)
+}
+
+/// Where the regions of a workspace at device address `addr` start: the
+/// address rounded up to [`WS_ALIGN`] (within the slack
+/// [`weight_regions_bytes`] counts).
+pub fn regions_base(addr: u64) -> u64 {
+    addr.next_multiple_of(WS_ALIGN as u64)
 }
 
 /// cuDNN's workspace for `g` on device `st`, asked of cuDNN.

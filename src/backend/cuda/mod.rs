@@ -66,6 +66,42 @@ pub fn kernel_names(source: &str) -> Vec<&str> {
     names
 }
 
+/// The virtual architecture to compile for on a device of compute
+/// capability `cc`: `compute_XY` of the device, or, when this NVRTC is
+/// older than the card (a Blackwell card with CUDA 12.6's NVRTC), the
+/// newest architecture it knows below the card's, whose PTX the driver
+/// compiles forward for the card. Without NVRTC's list (or NVRTC), the
+/// card's own.
+pub fn nvrtc_arch(cc: (u32, u32)) -> String {
+    let want = (cc.0 * 10 + cc.1) as i32;
+    let best = supported_archs()
+        .into_iter()
+        .filter(|&a| a <= want)
+        .max()
+        .unwrap_or(want);
+    format!("compute_{best}")
+}
+
+/// The architectures NVRTC can compile for, as 75 for `compute_75`; empty
+/// when NVRTC is missing or does not answer.
+pub fn supported_archs() -> Vec<i32> {
+    if !Library::Nvrtc.is_present() {
+        return Vec::new();
+    }
+    use cudarc::nvrtc::sys::{nvrtcGetNumSupportedArchs, nvrtcGetSupportedArchs, nvrtcResult};
+    let mut n: std::ffi::c_int = 0;
+    // SAFETY: NVRTC is loadable (checked above); it writes one int.
+    if unsafe { nvrtcGetNumSupportedArchs(&mut n) } != nvrtcResult::NVRTC_SUCCESS || n <= 0 {
+        return Vec::new();
+    }
+    let mut archs = vec![0 as std::ffi::c_int; n as usize];
+    // SAFETY: `archs` holds the `n` ints NVRTC writes.
+    if unsafe { nvrtcGetSupportedArchs(archs.as_mut_ptr()) } != nvrtcResult::NVRTC_SUCCESS {
+        return Vec::new();
+    }
+    archs
+}
+
 /// The options every kernel is compiled with (see the module doc).
 fn options(name: &str, arch: &'static str) -> CompileOptions {
     CompileOptions {

@@ -124,6 +124,18 @@ fn is_bf16(op: &'static str, t: &Tensor) -> Result<bool> {
     }
 }
 
+/// An error unless `t` is stored as f32: the copies count 4 bytes per
+/// element (the CPU's versions panic on another type).
+fn f32_only(op: &'static str, t: &Tensor) -> Result<()> {
+    match t.dtype() {
+        DType::F32 => Ok(()),
+        other => Err(Error::invalid(
+            op,
+            format!("{} is {other:?}; this copy is for f32", t.tag()),
+        )),
+    }
+}
+
 fn i32_arg(op: &'static str, v: usize) -> Result<Arg> {
     i32::try_from(v)
         .map(Arg::I32)
@@ -234,7 +246,10 @@ fn cudnn_region(
     pass: ConvPass,
     need: usize,
 ) -> Result<(u64, usize)> {
-    let front = dnn::weight_regions_bytes(g, pass);
+    let addr = ws.device_address();
+    let base = dnn::regions_base(addr);
+    // The slack used to align, then the weight regions.
+    let front = (base - addr) as usize + dnn::weight_regions_bytes(g, pass) - dnn::WS_ALIGN;
     let have = ws.storage_bytes().saturating_sub(front);
     if need > have {
         return Err(Error::Cuda {
@@ -246,7 +261,7 @@ fn cudnn_region(
             ),
         });
     }
-    Ok((ws.device_address() + front as u64, have))
+    Ok((addr + front as u64, have))
 }
 
 /// `hwio_to_ohwi` (the weight `hwio` into the OHWI region at `region`)
@@ -309,7 +324,7 @@ pub fn conv2d_forward(
     let d = dnn::conv_descs(&h, g)?;
     let need = dnn::cudnn_workspace_bytes(&d, ConvPass::Forward)?;
     let (cws, have) = cudnn_region(op, ws, g, ConvPass::Forward, need)?;
-    let w_t = ws.device_address();
+    let w_t = dnn::regions_base(ws.device_address());
     transpose_weight(&st, w_t, w, g, false)?;
     let fwd = cudarc::cudnn::ConvForward {
         conv: &d.conv,
@@ -362,8 +377,8 @@ pub fn conv2d_backward(
     let d = dnn::conv_descs(&h, g)?;
     let need = dnn::cudnn_workspace_bytes(&d, ConvPass::Backward)?;
     let (cws, have) = cudnn_region(op, ws, g, ConvPass::Backward, need)?;
-    let w_t = ws.device_address();
-    let dw_t = w_t + (dnn::weight_regions_bytes(g, ConvPass::Backward) / 2) as u64;
+    let w_t = dnn::regions_base(ws.device_address());
+    let dw_t = w_t + dnn::weight_region_bytes(g) as u64;
     let w_bytes = w.storage_bytes();
     if let Some(dx) = dx {
         transpose_weight(&st, w_t, w, g, false)?;
@@ -1145,8 +1160,8 @@ pub fn adamw_update(
 /// The block size of reduce.cu's `sum_squares_partial` (`SQ_THREADS`).
 const SQ_THREADS: u32 = 256;
 
-/// reduce.cu's `sum_squares_partial` and `sum_squares_finish` (partials in
-/// a pool scratch); one 8-byte read.
+/// reduce.cu's `sum_squares_partial` and `sum_squares_finish_add` into a zeroed
+/// total (partials in a pool scratch); one 8-byte read.
 pub fn sum_squares(t: &Tensor) -> Result<f64> {
     if t.numel() == 0 {
         return Ok(0.0); // as scratch::sum_squares: nothing taken
@@ -1283,11 +1298,13 @@ pub fn read_totals(totals: &Tensor) -> Result<[u64; scratch::STEP_TOTALS / 8]> {
 // Host copies, device copies, synchronisation
 
 pub fn copy_from_host(t: &mut Tensor, values: &[f32]) -> Result<()> {
+    f32_only("copy_from_host", t)?;
     let st = state(ordinal(t)?)?;
     Ok(st.core.upload(t.device_address(), values)?)
 }
 
 pub fn copy_to_host_into(dst: &mut [f32], t: &Tensor) -> Result<()> {
+    f32_only("copy_to_host", t)?;
     let st = state(ordinal(t)?)?;
     st.core.download(dst, t.device_address())?;
     Ok(())
@@ -1320,6 +1337,8 @@ pub fn copy_range(
     src_at: usize,
     len: usize,
 ) -> Result<()> {
+    f32_only("copy_range", dst)?;
+    f32_only("copy_range", src)?;
     let st = state(ordinal(dst)?)?;
     // The caller (backend::copy_range) checked both ranges.
     let f = std::mem::size_of::<f32>() as u64;
@@ -1332,6 +1351,8 @@ pub fn copy_range(
 }
 
 pub fn copy(dst: &mut Tensor, src: &Tensor) -> Result<()> {
+    f32_only("copy", dst)?;
+    f32_only("copy", src)?;
     let st = state(ordinal(dst)?)?;
     let bytes = dst.storage_bytes().min(src.storage_bytes());
     copy_device(&st, dst.device_address(), src.device_address(), bytes)

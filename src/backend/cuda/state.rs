@@ -37,9 +37,9 @@ pub fn state(ordinal: u32) -> Result<Arc<State>> {
         return Ok(s.clone());
     }
     let core = core(ordinal)?;
-    let (major, minor) = device_facts(ordinal).compute_capability;
     // Once per device and process: a few bytes, kept for the process.
-    let arch: &'static str = Box::leak(format!("compute_{major}{minor}").into_boxed_str());
+    let arch: &'static str =
+        Box::leak(super::nvrtc_arch(device_facts(ordinal).compute_capability).into_boxed_str());
     let s = Arc::new(State {
         core,
         arch,

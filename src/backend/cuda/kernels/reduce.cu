@@ -39,19 +39,10 @@ extern "C" __global__ void sum_squares_partial(double* partial, const float* x, 
     if (threadIdx.x == 0) partial[blockIdx.x] = lane[0];
 }
 
-// out: (1) f64 out = sum of the blocks in order; partial: (blocks).
-// Launch: one thread.
-extern "C" __global__ void sum_squares_finish(double* out, const double* partial,
-                                              long long blocks) {
-    if (global_index() != 0) return;
-    double total = 0.0;
-    for (long long b = 0; b < blocks; b++) total += partial[b];
-    *out = total;
-}
-
-// sum_squares_finish, then *acc += the total: a clipping norm's sum over
-// many tensors accumulated on the device in the host's order (tensor by
-// tensor), read once per optimizer step. acc: (1) f64 in/out, zeroed by the
+// *acc += the sum of the blocks in order: a clipping norm's sum over many
+// tensors accumulated on the device in the host's order (tensor by
+// tensor), read once per optimizer step (a lone sum starts from a zeroed
+// acc). acc: (1) f64 in/out, zeroed by the
 // caller. Launch: one thread.
 extern "C" __global__ void sum_squares_finish_add(double* acc, const double* partial,
                                                   long long blocks) {
