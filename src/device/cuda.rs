@@ -436,7 +436,9 @@ pub fn core(ordinal: u32) -> std::result::Result<Arc<Core>, StartError> {
     if let Some(c) = map.get(&ordinal) {
         return Ok(c.clone());
     }
-    probe(ordinal as usize).map_err(StartError::Missing)?;
+    // The cached probe: each probe retains and releases the primary
+    // context, which the driver tears down when nothing else holds it.
+    device_facts(ordinal).probe.map_err(StartError::Missing)?;
     let ctx = CudaContext::new(ordinal as usize)
         .map_err(|e| StartError::Call(call_err("cuDevicePrimaryCtxRetain")(e)))?;
     // SAFETY: the backend orders all its work on the one stream below, so
