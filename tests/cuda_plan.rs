@@ -251,3 +251,72 @@ fn a_gpu_training_step_reads_from_the_device_once() {
         );
     }
 }
+
+/// The whole training loop (loader, steps, evaluation, reports) runs on
+/// the meta device standing for a GPU, where any host view of a tensor
+/// would panic, and reads from the device once per optimizer step (with
+/// accumulation over two micro-batches and clipping, fp32 and f16) plus
+/// twice per evaluation batch (its loss and its logits for top-k).
+#[test]
+fn the_training_loop_runs_for_a_gpu_with_one_read_per_step() {
+    use memfit::backend::host_reads;
+    use memfit::data::SyntheticGratings;
+    use memfit::memory::Pool;
+    use memfit::nn::ResNet;
+    use memfit::optim::{GradScaler, LrSchedule, Schedule};
+    use memfit::tensor::Precision;
+    use memfit::train::{NanPolicy, TrainOptions, fit};
+
+    let (train_n, val_n, batch, size) = (24, 10, 8, 32);
+    let train = SyntheticGratings::generate(train_n, size, 3, 1);
+    let val = SyntheticGratings::generate(val_n, size, 3, 2);
+    for precision in [Precision::F32, Precision::F16] {
+        let mut config = common::tiny_config(BlockKind::Basic, [1, 1, 1, 1], 4, 3);
+        config.target = Target::Cuda(0);
+        config.precision = precision;
+        let pool = Pool::on(Device::Meta(Target::Cuda(0)));
+        let mut model = ResNet::new(&pool, config).unwrap();
+        let mut opt = sgd();
+        let opts = TrainOptions {
+            epochs: 1,
+            max_steps: None,
+            progress: false,
+            batch_size: batch,
+            micro_batch: Some(4),
+            plan: None,
+            seed: 3,
+            shuffle: true,
+            label_smoothing: 0.1,
+            base_lr: 0.1,
+            schedule: LrSchedule::new(Schedule::Constant),
+            clip_grad_norm: Some(1.0),
+            eval_every: 1,
+            metrics_jsonl: None,
+            metrics_csv: None,
+            log_every: None,
+            predicted_peak: None,
+            memory_trace: None,
+            scaler: (precision == Precision::F16).then(GradScaler::default),
+            inject_inf_steps: Vec::new(),
+            workers: 0,
+            nan_policy: NanPolicy::Stop,
+            saving: None,
+            resume_step: 0,
+            resume_sums: None,
+            stop: None,
+        };
+        let before = host_reads();
+        let reports = fit(&mut model, &pool, &mut opt, &train, &val, &opts, |_| {}).unwrap();
+        let reads = host_reads() - before;
+        assert_eq!(reports.len(), 1);
+        assert!(reports[0].eval.is_some(), "evaluated");
+        // Evaluation runs in micro-batches (what the plan fits).
+        let steps = train_n.div_ceil(batch);
+        let eval_batches = val_n.div_ceil(4);
+        assert_eq!(
+            reads,
+            (steps + 2 * eval_batches) as u64,
+            "{precision:?}: device reads for {steps} steps and {eval_batches} evaluation batches"
+        );
+    }
+}
