@@ -320,3 +320,33 @@ fn the_training_loop_runs_for_a_gpu_with_one_read_per_step() {
         );
     }
 }
+
+/// Weights save and load through the backend's host copies: on the meta
+/// device standing for a GPU, where a host view panics, a model saves,
+/// the file names every tensor, and it loads back (the CPU's names and
+/// shapes; the values of a meta model are zeros).
+#[test]
+fn weights_save_and_load_for_a_gpu() {
+    use memfit::io::{TensorFile, load_state_dict, save_state_dict};
+    use memfit::memory::Pool;
+    use memfit::nn::ResNet;
+
+    let mut config = common::tiny_config(BlockKind::Bottleneck, [1, 1, 1, 1], 4, 3);
+    config.target = Target::Cuda(0);
+    let pool = Pool::on(Device::Meta(Target::Cuda(0)));
+    let mut model = ResNet::new(&pool, config.clone()).unwrap();
+    let dir = common::TempDir::new("meta-cuda-weights");
+    let path = dir.0.join("w.safetensors");
+    save_state_dict(&mut model, &path).unwrap();
+    let file = TensorFile::open(&path).unwrap();
+    let mut cpu_config = config;
+    cpu_config.target = Target::Cpu;
+    let mut cpu = ResNet::new(&Pool::new(), cpu_config).unwrap();
+    let mut names = 0;
+    cpu.visit_state(|slot| {
+        assert!(file.tensors.contains_key(slot.name()), "{}", slot.name());
+        names += 1;
+    });
+    assert_eq!(file.tensors.len(), names);
+    load_state_dict(&mut model, &file, &[]).unwrap();
+}

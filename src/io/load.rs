@@ -122,8 +122,9 @@ fn check_slot(slot: &StateSlot<'_>, name: &str, t: &RawTensor) -> Option<String>
     }
 }
 
-/// Copies a checked tensor into the model.
-fn copy_into(slot: StateSlot<'_>, t: &RawTensor) {
+/// Copies a checked tensor into the model, through the backend (a model on
+/// a GPU loads as one on the CPU).
+fn copy_into(slot: StateSlot<'_>, t: &RawTensor) -> Result<()> {
     match (slot, &t.data) {
         (
             StateSlot::Param {
@@ -132,12 +133,14 @@ fn copy_into(slot: StateSlot<'_>, t: &RawTensor) {
                 layout,
             },
             RawData::F32(v),
-        ) => param
-            .value
-            .f32_mut()
-            .copy_from_slice(&layout.from_torch(v, &torch_shape)),
-        (StateSlot::Buffer { tensor, .. }, RawData::F32(v)) => tensor.f32_mut().copy_from_slice(v),
-        (StateSlot::Count { value, .. }, RawData::I64(v)) => *value = v[0],
+        ) => crate::backend::copy_from_host(&mut param.value, &layout.from_torch(v, &torch_shape)),
+        (StateSlot::Buffer { tensor, .. }, RawData::F32(v)) => {
+            crate::backend::copy_from_host(tensor, v)
+        }
+        (StateSlot::Count { value, .. }, RawData::I64(v)) => {
+            *value = v[0];
+            Ok(())
+        }
         _ => unreachable!("checked by check_slot"),
     }
 }
@@ -270,13 +273,14 @@ fn load(
         ));
     }
     // Second pass: everything matches, copy.
+    let mut res = Ok(());
     model.visit_state(|slot| {
         let name = slot.name();
-        if skip.contains(&name) {
+        if skip.contains(&name) || res.is_err() {
             return;
         }
         let t = &file.tensors[name];
-        copy_into(slot, t);
+        res = copy_into(slot, t);
     });
-    Ok(())
+    res
 }

@@ -40,29 +40,42 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
 /// Every state_dict entry of `model` in torchvision names and layout: conv
 /// weights OIHW, all parameters and running statistics F32, and
 /// `num_batches_tracked` an I64 0-d tensor (shape `[]`), as `torch.save`
-/// would write them.
-fn state_entries(model: &mut ResNet) -> Vec<(String, Entry)> {
+/// would write them. Values come through the backend's host copy, so a
+/// model on a GPU saves as one on the CPU.
+fn state_entries(model: &mut ResNet) -> Result<Vec<(String, Entry)>> {
     let mut out = Vec::new();
+    let mut res = Ok(());
     model.visit_state(|slot| {
+        if res.is_err() {
+            return;
+        }
         let name = slot.name().to_string();
         let entry = match slot {
             StateSlot::Param {
                 param,
                 torch_shape,
                 layout,
-            } => {
-                let v = param.value.f32();
-                let bytes = f32_bytes(&layout.to_torch(v, &torch_shape));
-                Entry {
+            } => match crate::backend::copy_to_host(&param.value) {
+                Ok(v) => Entry {
                     dtype: Dtype::F32,
+                    bytes: f32_bytes(&layout.to_torch(&v, &torch_shape)),
                     shape: torch_shape,
-                    bytes,
+                },
+                Err(e) => {
+                    res = Err(e);
+                    return;
                 }
-            }
-            StateSlot::Buffer { tensor, .. } => Entry {
-                dtype: Dtype::F32,
-                shape: vec![tensor.numel()],
-                bytes: f32_bytes(tensor.f32()),
+            },
+            StateSlot::Buffer { tensor, .. } => match crate::backend::copy_to_host(tensor) {
+                Ok(v) => Entry {
+                    dtype: Dtype::F32,
+                    shape: vec![tensor.numel()],
+                    bytes: f32_bytes(&v),
+                },
+                Err(e) => {
+                    res = Err(e);
+                    return;
+                }
             },
             StateSlot::Count { value, .. } => Entry {
                 dtype: Dtype::I64,
@@ -72,7 +85,7 @@ fn state_entries(model: &mut ResNet) -> Vec<(String, Entry)> {
         };
         out.push((name, entry));
     });
-    out
+    res.map(|()| out)
 }
 
 /// Writes every state_dict entry of `model` to `path` as safetensors, in
@@ -86,7 +99,7 @@ fn state_entries(model: &mut ResNet) -> Vec<(String, Entry)> {
 /// fsynced. On any failure the previous file at `path` (if any) is left
 /// intact and the error is an [`Error::Io`] naming `path`.
 pub fn save_state_dict(model: &mut ResNet, path: &Path) -> Result<()> {
-    let entries = state_entries(model);
+    let entries = state_entries(model)?;
     let metadata = HashMap::from([
         ("format".to_string(), "pt".to_string()),
         ("generator".to_string(), "memfit".to_string()),
@@ -107,7 +120,7 @@ pub fn save_state_dict_with(
     mut metadata: HashMap<String, String>,
     path: &Path,
 ) -> Result<()> {
-    let mut entries = state_entries(model);
+    let mut entries = state_entries(model)?;
     for (name, shape, values) in extras {
         entries.push((
             name.clone(),

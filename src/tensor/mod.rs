@@ -419,12 +419,15 @@ impl Tensor {
     // device backend this check compiles to nothing.
     #[inline]
     fn check_host(&self) {
+        // A meta device standing for a GPU panics too, so the planner's
+        // and the tests' runs on it catch a host view before a GPU does.
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        if let Device::Cuda(n) = self.device() {
+        if let Device::Cuda(n) | Device::Meta(crate::device::Target::Cuda(n)) = self.device() {
             panic!(
-                "engine bug: {} lives on cuda:{n}; a host view of device storage was asked \
-                 (copy it with backend::copy_to_host)",
-                self.tag()
+                "engine bug: {} lives on {} (cuda:{n}); a host view of device storage was \
+                 asked (copy it with backend::copy_to_host)",
+                self.tag(),
+                self.device().name()
             );
         }
     }

@@ -55,10 +55,13 @@ pub const WS_ALIGN: usize = 256;
 
 static ALLOW_TF32: AtomicBool = AtomicBool::new(false);
 
-/// Lets cuDNN and cuBLAS use TF32 tensor cores for fp32 convolutions and
-/// GEMMs (10-bit mantissa products). Off by default: strict fp32
-/// (`CUDNN_FMA_MATH`, `CUBLAS_DEFAULT_MATH`). Process-wide; takes effect
-/// at the next call.
+/// Lets cuDNN use TF32 tensor cores for fp32 convolutions (10-bit mantissa
+/// products), as PyTorch's `torch.backends.cudnn.allow_tf32` (on there by
+/// default; the CLI turns it on unless `--strict-fp32`). Off by default in
+/// the library: strict fp32 (`CUDNN_FMA_MATH`). The linear layer's GEMMs
+/// stay strict fp32 either way, as PyTorch's matmuls by default
+/// (`torch.backends.cuda.matmul.allow_tf32 = False`). Process-wide; takes
+/// effect at the next call.
 pub fn set_allow_tf32(on: bool) {
     ALLOW_TF32.store(on, Ordering::Relaxed);
 }
@@ -263,11 +266,8 @@ pub fn cublas(st: &State) -> Result<&CudaBlas> {
         let _ = st.blas.set(b);
     }
     let b = st.blas.get().expect("set above");
-    let mode = if allow_tf32() {
-        cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH
-    } else {
-        cublasMath_t::CUBLAS_DEFAULT_MATH
-    };
+    // Strict fp32 always (see `set_allow_tf32`).
+    let mode = cublasMath_t::CUBLAS_DEFAULT_MATH;
     // SAFETY: a live handle; the mode is a plain enum.
     unsafe { cudarc::cublas::sys::cublasSetMathMode(*b.handle(), mode) }
         .result()
