@@ -895,17 +895,20 @@ fn whole_step_matches_the_cpu() {
     // The CPU half runs here too (the reference, and the test's own plan
     // logic: recomputing gives keep-all's bits on the CPU as well).
     let mut cpu_runs = Vec::new();
+    // Every block and precision with torchvision's stem, and the small
+    // stem (its fused ReLU mask kernel) once.
     let cases = [BlockKind::Basic, BlockKind::Bottleneck]
         .into_iter()
-        .flat_map(|b| Precision::ALL.map(|p| (b, p)));
-    for (block, precision) in cases {
+        .flat_map(|b| Precision::ALL.map(|p| (b, p, StemKind::ImageNet)))
+        .chain([(BlockKind::Basic, Precision::F32, StemKind::Small)]);
+    for (block, precision, stem) in cases {
         let cpu_pool = Pool::new();
         let config = ResNetConfig {
             block,
             layers: [1, 1, 1, 1],
             base_width: 8,
             num_classes: classes,
-            stem: StemKind::ImageNet,
+            stem,
             zero_init_residual: false,
             seed: 7,
             precision,
@@ -990,6 +993,103 @@ fn whole_step_matches_the_cpu() {
         );
         for ((name, a), (_, b)) in astats.iter().zip(&gstats) {
             assert_bits(&format!("{block:?} {p} recomputed running {name}"), a, b);
+        }
+    }
+}
+
+/// Two optimizer steps of `TrainStep` on each device (accumulation over two
+/// micro-batches, clipping, SGD with momentum and weight decay; f16 with
+/// the loss scaler): what only a real step runs on the GPU (the totals
+/// read once, unscale, the finite checks, the BN roll-back copy, clipping's
+/// scale, the optimizer) against the CPU. Reported losses within the whole
+/// step's tolerance, the clipping norm within 1e-3 (f16: 1e-2) relative,
+/// the scaler's decision equal, and every weight after the steps within
+/// 1e-4 (f16: 1e-3) normwise.
+#[test]
+fn train_steps_match_the_cpu() {
+    use memfit::optim::{GradScaler, Optimizer, Sgd};
+    use memfit::train::NanPolicy;
+    use memfit::train::step::{StepPolicy, TrainStep};
+    let (window, size, classes) = (4, 32, 10);
+    let images = values(window * size * size * 3, 91);
+    let labels: Vec<usize> = (0..window).map(|i| (i * 7) % classes).collect();
+    let steps = |pool: &Pool, target: Target, p: Precision| {
+        let config = ResNetConfig {
+            block: BlockKind::Basic,
+            layers: [1, 1, 1, 1],
+            base_width: 8,
+            num_classes: classes,
+            stem: StemKind::ImageNet,
+            zero_init_residual: false,
+            seed: 11,
+            precision: p,
+            recompute_bn_relu: false,
+            target,
+        };
+        let mut model = ResNet::new(pool, config).unwrap();
+        let mut opt = Optimizer::Sgd(Sgd::new(0.05, 0.9, 1e-4, false));
+        let mut step = TrainStep::new(
+            StepPolicy {
+                plan: Plan::keep_all(&model),
+                micro_batch: 2,
+                label_smoothing: 0.1,
+                clip_grad_norm: Some(0.5),
+                nan_policy: NanPolicy::Stop,
+            },
+            (p == Precision::F16).then(GradScaler::default),
+        );
+        let reports: Vec<_> = (1..=2)
+            .map(|i| {
+                step.run(
+                    &mut model,
+                    pool,
+                    &mut opt,
+                    &images,
+                    (size, size),
+                    &labels,
+                    window,
+                    i,
+                    false,
+                )
+                .unwrap()
+            })
+            .collect();
+        let mut weights = Vec::new();
+        model.visit_params(|q| {
+            weights.push((q.name.clone(), backend::copy_to_host(&q.value).unwrap()))
+        });
+        (reports, weights)
+    };
+    let cpu_runs: Vec<_> = [Precision::F32, Precision::F16]
+        .map(|p| (p, steps(&Pool::new(), Target::Cpu, p)))
+        .into();
+    let Some(gpu_pool) = gpu() else { return };
+    for (p, (creports, cweights)) in cpu_runs {
+        let (loss_tol, norm_tol, w_tol) = match p {
+            Precision::F16 => (5e-3, 1e-2, 1e-3),
+            _ => (1e-4, 1e-3, 1e-4),
+        };
+        let (greports, gweights) = steps(&gpu_pool, Target::Cuda(0), p);
+        for (i, (g, c)) in greports.iter().zip(&creports).enumerate() {
+            assert!(
+                (g.loss - c.loss).abs() <= loss_tol * c.loss.abs(),
+                "{p} step {i} loss gpu {} cpu {}",
+                g.loss,
+                c.loss
+            );
+            let (gn, cn) = (g.grad_norm.unwrap(), c.grad_norm.unwrap());
+            assert!(
+                (gn - cn).abs() <= norm_tol * cn.abs(),
+                "{p} step {i} norm gpu {gn} cpu {cn}"
+            );
+            assert_eq!(
+                g.scaled.map(|s| (s.scale, s.skipped)),
+                c.scaled.map(|s| (s.scale, s.skipped)),
+                "{p} step {i} scaler"
+            );
+        }
+        for ((name, g), (_, c)) in gweights.iter().zip(&cweights) {
+            assert_close_normwise(&format!("{p} weight {name} after 2 steps"), g, c, w_tol);
         }
     }
 }
