@@ -53,11 +53,13 @@ import hashlib
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -442,11 +444,11 @@ def torch_cfg(label, batch, **extra):
 # ---------------------------------------------------------------- sections
 
 
-def memory_runs(b):
+def memory_runs(b, out):
     """Both tools at both batches for every strategy (memoized), and each
-    side's line through the two peaks."""
+    side's line through the two peaks, into `out` as each strategy ends (a
+    run stopped midway keeps the strategies done)."""
     small, big = b.s.batches
-    out = {}
     for label, _, _ in STRATEGIES:
         m1, t1 = b.measure(f"memory {label} b{small}", [("memfit", memfit_cfg(label, small)), ("torch", torch_cfg(label, small))], rounds=1)
         m2, t2 = b.measure(f"memory {label} b{big}", [("memfit", memfit_cfg(label, big)), ("torch", torch_cfg(label, big))])
@@ -464,6 +466,8 @@ def section_memory(b, runs):
     small, big = b.s.batches
     rows = []
     for label, _, _ in STRATEGIES:
+        if label not in runs:
+            continue
         r = runs[label]
         for i, batch in enumerate((small, big)):
             m, t = r["memfit"][i], r["torch"][i]
@@ -807,6 +811,15 @@ def self_test():
 # ---------------------------------------------------------------- main
 
 
+class Stopped(Exception):
+    """SIGTERM (check.sh's `timeout`) arrived: finish with what is done."""
+
+
+def on_sigterm(signum, frame):
+    # subprocess.run kills the run in flight as this propagates through it.
+    raise Stopped(f"stopped by signal {signum}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n".join(__doc__.splitlines()[1:]))
@@ -850,35 +863,76 @@ def main():
     b.raw.write(json.dumps(dict(side="versions", **versions)) + "\n")
     b.log(f"versions: {json.dumps(versions)}")
 
-    parts = []
+    def table(parts, state=None):
+        """table.md as far as it goes: rewritten after each section, so a run
+        cut short (a timeout's SIGTERM, see on_sigterm) keeps what it did;
+        `state` says why it may be incomplete."""
+        m, t = versions["memfit"], versions["torch"]
+        header = (f"# memfit vs PyTorch on {t.get('gpu') or s.device}\n\n"
+                  f"- memfit: {m['version']}, {m['path']}, sha256 {m['sha256'][:16]}\n"
+                  f"- torch {t.get('torch')} (CUDA {t.get('cuda')}, cuDNN {t.get('cudnn')}), torchvision {t.get('torchvision')}\n"
+                  f"- GPU: {versions['nvidia_smi']}\n"
+                  f"- ResNet-50 {s.image_size}x{s.image_size}, steps {s.steps} after warm-up {s.warmup}, "
+                  f"rounds {s.rounds}, device {s.device}{', quick' if args.quick else ''}; "
+                  f"total {time.monotonic() - b.t0:.0f} s\n"
+                  + (f"- **{state}**: only the sections below are finished\n" if state else "")
+                  + "\n")
+        text = header + "\n".join(parts)
+        (Path(args.out) / "table.md").write_text(text)
+        return text
+
+    parts, stopped, runs = [], None, {}
+
+    def section(name, make):
+        """One section into `parts`; a crash in it (this script's own bug on
+        output it never saw) is shown in its place and the next runs."""
+        try:
+            parts.append(make())
+        except Stopped:
+            raise
+        except Exception:
+            b.log(f"section {name} crashed:\n{traceback.format_exc()}")
+            parts.append(f"## {name}: crashed\n\n```\n{traceback.format_exc()}```\n")
+        table(parts, "still running (or killed) after these sections")
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         if "maxbatch" in only:
             b.start_max_batch()
-        runs = memory_runs(b) if {"memory", "maxbatch"} & set(only) else None
+        if {"memory", "maxbatch"} & set(only):
+            try:
+                memory_runs(b, runs)
+            except Stopped:
+                raise
+            except Exception:
+                b.log(f"memory runs crashed:\n{traceback.format_exc()}")
         if "memory" in only:
-            parts.append(section_memory(b, runs))
+            section("memory", lambda: section_memory(b, runs))
         if "maxbatch" in only:
-            parts.append(section_maxbatch(b, runs))
+            section("maxbatch", lambda: section_maxbatch(b, runs))
         if "auto" in only:
-            parts.append(section_auto(b))
+            section("auto", lambda: section_auto(b))
         if "speed" in only:
-            parts.append(section_speed(b))
+            section("speed", lambda: section_speed(b))
+    except Stopped as e:
+        stopped = str(e)
+        b.log(f"{stopped}: writing the {len(parts)} finished section(s)")
+        if "memory" in only and not parts and runs:
+            # Stopped in the memory runs: the strategies done, as a section.
+            try:
+                parts.append(section_memory(b, runs).replace(
+                    "\n\n", f" (stopped after {len(runs)} of {len(STRATEGIES)} strategies)\n\n", 1))
+            except Exception:
+                b.log(f"partial memory section crashed:\n{traceback.format_exc()}")
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         b.stop_max_batch()
 
-    m, t = versions["memfit"], versions["torch"]
-    header = (f"# memfit vs PyTorch on {t.get('gpu') or s.device}\n\n"
-              f"- memfit: {m['version']}, {m['path']}, sha256 {m['sha256'][:16]}\n"
-              f"- torch {t.get('torch')} (CUDA {t.get('cuda')}, cuDNN {t.get('cudnn')}), torchvision {t.get('torchvision')}\n"
-              f"- GPU: {versions['nvidia_smi']}\n"
-              f"- ResNet-50 {s.image_size}x{s.image_size}, steps {s.steps} after warm-up {s.warmup}, "
-              f"rounds {s.rounds}, device {s.device}{', quick' if args.quick else ''}; "
-              f"total {time.monotonic() - b.t0:.0f} s\n\n")
-    text = header + "\n".join(parts)
-    (Path(args.out) / "table.md").write_text(text)
+    text = table(parts, stopped)
     b.raw.close()
     print(text)
     print(f"wrote {Path(args.out) / 'table.md'} and raw.jsonl", file=sys.stderr)
+    return 1 if stopped else None
 
 
 if __name__ == "__main__":

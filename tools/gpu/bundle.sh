@@ -2,8 +2,10 @@
 # Builds what tools/gpu/check.sh runs on the GPU machine (which has no Rust)
 # and puts it in target/gpu-bundle (ignored by git, under the 64 MiB a
 # device call may carry): the memfit binary with --features cuda, the four
-# CUDA test binaries, check.sh and the PyTorch side-by-side script; all
-# stripped. Then, with the device tool:
+# CUDA test binaries, check.sh and the PyTorch side-by-side script. Not
+# stripped: the symbols (about 4.5 MiB in all) give a panic's backtrace its
+# function names on the GPU machine (check.sh sets RUST_BACKTRACE=1). Then,
+# with the device tool:
 #   run(command="bash target/gpu-bundle/check.sh 480", carry=["target/gpu-bundle"], timeout_s=560)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -13,7 +15,8 @@ cargo build --release --features cuda
 cp target/release/memfit "$DEST/"
 TESTS=(cuda_vs_cpu cuda_probe cuda_plan cuda_kernels)
 ARGS=(); for t in "${TESTS[@]}"; do ARGS+=(--test "$t"); done
-cargo test --release --features cuda "${ARGS[@]}" --no-run --message-format=json 2>/dev/null \
+# json-render-diagnostics: compile errors still reach the terminal.
+cargo test --release --features cuda "${ARGS[@]}" --no-run --message-format=json-render-diagnostics \
   | python3 -c '
 import json, shutil, sys
 want = set(sys.argv[2:])
@@ -23,6 +26,7 @@ for m in map(json.loads, sys.stdin):
 ' "$DEST" "${TESTS[@]}"
 cp tools/gpu/check.sh "$DEST/"
 [ -f tools/gpu_vs_torch.py ] && cp tools/gpu_vs_torch.py "$DEST/"
-strip "$DEST"/memfit "$DEST"/cuda_* 
 du -sh "$DEST"; ls -la "$DEST"
 for t in memfit "${TESTS[@]}"; do [ -x "$DEST/$t" ] || { echo "missing $t" >&2; exit 1; }; done
+bash -n "$DEST/check.sh"
+[ ! -f "$DEST/gpu_vs_torch.py" ] || python3 "$DEST/gpu_vs_torch.py" --self-test
