@@ -29,7 +29,7 @@ use crate::plan::{PlanRequest, Strategy, report, resolve};
 use crate::setup::{
     ModelSpec, bf16_emulation_note, check_bn_values, check_output_file, default_base_width,
     gpu_memory_line, head_classes, lr_schedule, parse_precision, per_process_device, pick_device,
-    requested_micro_batch,
+    plan_device, requested_micro_batch,
 };
 use crate::train::state::{
     self, FingerprintInputs, RUN_CONFIG_KEY, StateSaving, check_save_dir, check_save_dir_owner,
@@ -414,11 +414,16 @@ pub fn train_on(
         )));
     }
     let bn = a.memory.bn;
-    let device = pick_device(
-        &per_process_device(&a.device, processes),
-        root,
-        a.memory.strict_fp32,
-    )?;
+    let device_flag = per_process_device(&a.device, processes);
+    // A plan may be made for a GPU this machine does not have.
+    let (device, stand_in) = if plan_only {
+        plan_device(&device_flag, root, a.memory.strict_fp32)?
+    } else {
+        (
+            pick_device(&device_flag, root, a.memory.strict_fp32)?,
+            false,
+        )
+    };
     if processes > 1 && device != crate::device::Device::Cpu && !cfg!(feature = "nccl") {
         return Err(Error::Usage(format!(
             "--device {}: data-parallel training on GPUs needs NCCL: rebuild with --features nccl, or use --device cpu",
@@ -506,7 +511,12 @@ pub fn train_on(
         budget,
         strategy,
         auto_precision: fixed_precision.is_none(),
-        time_model: a.memory.time_model.parse()?,
+        // A GPU that is not here cannot time its stages.
+        time_model: if stand_in {
+            crate::plan::TimeModel::Flops
+        } else {
+            a.memory.time_model.parse()?
+        },
         processes,
     })?;
     model.set_precision(resolved.precision);

@@ -156,6 +156,34 @@ pub fn pick_device(flag: &str, say: bool, strict_fp32: bool) -> Result<Device> {
     Ok(device)
 }
 
+/// The device a plan is made for (`memfit plan`, `bench max-batch`): as
+/// [`pick_device`], except that a `--device cuda[:N]` this machine cannot
+/// use (no GPU, driver or library here: planning on a laptop for a
+/// cluster's card) plans on the meta device standing for that GPU, with a
+/// note naming what is missing and what is assumed in its place. Returns
+/// the device and whether it is such a stand-in (whose stages cannot be
+/// timed). A build without CUDA support still refuses `--device cuda`.
+pub fn plan_device(flag: &str, say: bool, strict_fp32: bool) -> Result<(Device, bool)> {
+    match pick_device(flag, say, strict_fp32) {
+        Ok(d) => Ok((d, false)),
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        Err(Error::CudaUnavailable { what, .. }) if crate::device::cuda_ordinal(flag).is_some() => {
+            let n = crate::device::cuda_ordinal(flag).unwrap_or(0);
+            if say {
+                let (major, minor) = crate::device::cuda::device_facts(n).compute_capability;
+                eprintln!(
+                    "note: no usable GPU here ({what}); planning for cuda:{n} without it: compute \
+                     capability {major}.{minor}, cuDNN's workspace at its documented bound of {} \
+                     per convolution, stage times from FLOPs",
+                    crate::memory::fmt_bytes(crate::backend::cuda::ops::CUDNN_DEFAULT_WORKSPACE)
+                );
+            }
+            Ok((Device::Meta(crate::device::Target::Cuda(n)), true))
+        }
+        Err(e) => Err(e),
+    }
+}
+
 /// On a GPU, what the card holds beyond the pool: the CUDA context, the
 /// cuDNN and cuBLAS handles and their own workspaces, the compiled
 /// kernels (and any other process's memory): the card's memory in use less

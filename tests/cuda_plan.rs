@@ -350,3 +350,116 @@ fn weights_save_and_load_for_a_gpu() {
     assert_eq!(file.tensors.len(), names);
     load_state_dict(&mut model, &file, &[]).unwrap();
 }
+
+/// `--checkpoint auto` for a GPU never picks a plan the simulator puts over
+/// the budget. Under bf16 on a GPU (no native bf16 GEMM: a replayed stage
+/// widens its bf16-stored input to an f32 copy) the per-stage cost model
+/// undercounts recomputed segments; auto checks its choice by simulation
+/// and plans again below the overshoot. Every budget from a little above
+/// the smallest plan to keep-all resolves to a plan within it, or says the
+/// budget is too small, never "needs more than the budget".
+#[test]
+fn auto_plans_for_a_gpu_fit_their_budget_by_simulation() {
+    use memfit::plan::{PlanRequest, Strategy, TimeModel, resolve, simulate};
+    use memfit::tensor::Precision;
+    // ResNet-50 at width 32: large enough activations for the replayed
+    // stages' f32 copies to matter (about 25 MiB at 224x224, batch 16).
+    let mut config = memfit::nn::ResNetConfig::by_name("resnet50").unwrap();
+    config.base_width = 32;
+    config.num_classes = 10;
+    config.target = Target::Cuda(0);
+    config.precision = Precision::BF16;
+    let (batch, size) = (16, 224);
+    let keep = {
+        let pool = memfit::memory::Pool::on(Device::Meta(Target::Cuda(0)));
+        let n = memfit::nn::ResNet::new(&pool, config.clone())
+            .unwrap()
+            .stages
+            .len();
+        Plan::keep_all_len(n)
+    };
+    let keep_peak = simulate(&config, BnPolicy::Batch, &sgd(), &keep, batch, size)
+        .unwrap()
+        .peak_total;
+    let (mut resolved, mut too_small) = (0, 0);
+    for step in 4..=12 {
+        let budget = keep_peak * step / 12;
+        let r = resolve(&PlanRequest {
+            config: &config,
+            bn: BnPolicy::Batch,
+            optimizer: &sgd(),
+            batch,
+            micro_batch: Some(batch),
+            image_size: size,
+            budget: Some(budget),
+            strategy: Strategy::Auto,
+            auto_precision: false,
+            time_model: TimeModel::Flops,
+            processes: 1,
+        });
+        match r {
+            Ok(r) => {
+                assert!(
+                    r.predicted.peak_total <= budget,
+                    "{} > {budget}",
+                    r.predicted.peak_total
+                );
+                resolved += 1;
+            }
+            Err(memfit::Error::BudgetTooSmall { .. }) => too_small += 1,
+            Err(e) => panic!("budget {budget} of keep-all {keep_peak}: {e}"),
+        }
+    }
+    assert!(
+        resolved >= 3 && too_small >= 1,
+        "{resolved} resolved, {too_small} too small"
+    );
+}
+
+/// `memfit plan --device cuda` on a machine without a usable GPU plans for
+/// one on the meta device (planning on a laptop for a cluster's card) and
+/// says what it assumed; `train --device cuda` there still refuses.
+#[test]
+fn plan_for_a_gpu_this_machine_lacks() {
+    let run = |sub: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_memfit"))
+            .args([
+                sub,
+                "--device",
+                "cuda",
+                "--data",
+                "synthetic",
+                "--model",
+                "resnet18",
+                "--base-width",
+                "8",
+                "--batch-size",
+                "8",
+                "--epochs",
+                "1",
+                "--memory-budget",
+                "64MiB",
+                "--checkpoint",
+                "auto",
+            ])
+            .output()
+            .unwrap()
+    };
+    let out = run("plan");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("predicted peak"), "{stdout}");
+    if device_facts(0).probe.is_err() {
+        assert!(
+            stderr.contains("planning for cuda:0 without it"),
+            "{stderr}"
+        );
+        let train = run("train");
+        assert!(!train.status.success());
+        let err = String::from_utf8_lossy(&train.stderr);
+        assert!(err.contains("not found"), "{err}");
+    }
+}

@@ -864,7 +864,8 @@ fn bench_max_batch(a: MaxBatchArgs) -> Result<()> {
     let budget = parse_bytes(&a.memory_budget).context("--memory-budget")?;
     let mut config = a.model.spec().config()?;
     // Predicted for the device's target (its workspaces and capabilities).
-    config.target = setup::pick_device(&a.model.device, true, false)?.target();
+    // (A GPU this machine lacks is planned for on the meta device.)
+    config.target = setup::plan_device(&a.model.device, true, false)?.0.target();
     emit(format_args!(
         "{}",
         format_max_batch_header(&a.model.model, a.model.base_width, a.image_size, budget)

@@ -169,6 +169,14 @@ impl std::fmt::Display for SelectError {
 /// and says why; `--device cuda` uses the backend anyway.
 pub const CUDA_BACKEND_COMPLETE: bool = false;
 
+/// The GPU number `kind` names (`cuda` is 0, `cuda:N` is N), or None.
+pub fn cuda_ordinal(kind: &str) -> Option<u32> {
+    match kind.trim().strip_prefix("cuda")? {
+        "" => Some(0),
+        rest => rest.strip_prefix(':')?.parse().ok(),
+    }
+}
+
 /// The device for `--device KIND`: `cpu`, `cuda` (device 0), `cuda:N`, or
 /// `auto` (CUDA device 0 when the probe finds it usable and the backend is
 /// complete, else the CPU). Returns the device and one line saying which

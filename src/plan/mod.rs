@@ -451,6 +451,47 @@ fn simulate_run(
     Ok(pool.stats())
 }
 
+/// The DP's plan for `costs` under `budget`, checked by the simulator (the
+/// step as it runs, evaluation included). The cost model composes
+/// per-stage measurements taken on f32 inputs; a whole step can allocate
+/// more (on a GPU under bf16, the f32 copies a replayed stage makes of its
+/// bf16-stored input), so a plan the simulator puts over the budget is
+/// planned again with the DP's cap lowered by the overshoot, a few times,
+/// before this micro-batch is given up. The choice's peak is the
+/// simulator's.
+fn checked_best_plan(
+    costs: &CostModel,
+    config: &ResNetConfig,
+    bn: BnPolicy,
+    optimizer: &Optimizer,
+    budget: usize,
+) -> Result<Option<Choice>> {
+    let mut cap = budget;
+    for _ in 0..4 {
+        let Some(mut choice) = costs.best_plan(cap) else {
+            return Ok(None);
+        };
+        let peak = simulate(
+            config,
+            bn,
+            optimizer,
+            &choice.plan,
+            costs.micro_batch,
+            costs.image_size,
+        )?
+        .peak_total;
+        if peak <= budget {
+            choice.peak = peak;
+            return Ok(Some(choice));
+        }
+        let Some(lower) = cap.checked_sub(peak - budget) else {
+            return Ok(None);
+        };
+        cap = lower;
+    }
+    Ok(None)
+}
+
 /// Micro-batch sizes worth trying for an effective batch: the batch itself
 /// and every power of two below it, largest first.
 pub fn micro_batch_candidates(batch: usize) -> Vec<usize> {
@@ -488,9 +529,10 @@ pub fn auto_plan(
         None => micro_batch_candidates(batch),
     };
     let mut smallest: Option<CostModel> = None;
+    let checked = |costs: &CostModel| checked_best_plan(costs, config, bn, optimizer, budget);
     for &m in &candidates {
         let mut costs = CostModel::measure(config, bn, optimizer, m, image_size)?;
-        let Some(modelled) = costs.best_plan(budget) else {
+        let Some(modelled) = checked(&costs)? else {
             smallest = Some(costs);
             continue;
         };
@@ -498,10 +540,9 @@ pub fn auto_plan(
             return Ok((modelled, costs));
         }
         costs.calibrate(config, bn, Some(budget))?;
-        // Feasibility does not depend on the times, only the choice does.
-        let choice = costs
-            .best_plan(budget)
-            .ok_or_else(|| Error::invalid("plan", "a feasible plan became infeasible"))?;
+        // Feasibility does not depend on the times, only the choice does;
+        // the modelled choice stays if the timed one does not check out.
+        let choice = checked(&costs)?.unwrap_or(modelled);
         return Ok((choice, costs));
     }
     let model = smallest.ok_or_else(|| Error::invalid("plan", "no micro-batch candidates"))?;
