@@ -512,10 +512,9 @@ pub fn train_on(
         strategy,
         auto_precision: fixed_precision.is_none(),
         // A GPU that is not here cannot time its stages.
-        time_model: if stand_in {
-            crate::plan::TimeModel::Flops
-        } else {
-            a.memory.time_model.parse()?
+        time_model: match a.memory.time_model.parse()? {
+            _ if stand_in => crate::plan::TimeModel::Flops,
+            t => t,
         },
         processes,
     })?;

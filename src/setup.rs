@@ -158,16 +158,21 @@ pub fn pick_device(flag: &str, say: bool, strict_fp32: bool) -> Result<Device> {
 
 /// The device a plan is made for (`memfit plan`, `bench max-batch`): as
 /// [`pick_device`], except that a `--device cuda[:N]` this machine cannot
-/// use (no GPU, driver or library here: planning on a laptop for a
-/// cluster's card) plans on the meta device standing for that GPU, with a
-/// note naming what is missing and what is assumed in its place. Returns
+/// use because it has none (no driver, library or device here: planning on
+/// a laptop for a cluster's card) plans on the meta device standing for
+/// that GPU, with a note naming what is missing and what is assumed in its
+/// place; a GPU that is here but unusable (a wrong number, an unsupported
+/// or failing card) stays an error. Returns
 /// the device and whether it is such a stand-in (whose stages cannot be
 /// timed). A build without CUDA support still refuses `--device cuda`.
 pub fn plan_device(flag: &str, say: bool, strict_fp32: bool) -> Result<(Device, bool)> {
     match pick_device(flag, say, strict_fp32) {
         Ok(d) => Ok((d, false)),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Err(Error::CudaUnavailable { what, .. }) if crate::device::cuda_ordinal(flag).is_some() => {
+        Err(Error::CudaUnavailable { what, .. })
+            if crate::device::cuda_ordinal(flag).is_some()
+                && crate::device::cuda::no_gpu_here() =>
+        {
             let n = crate::device::cuda_ordinal(flag).unwrap_or(0);
             if say {
                 let (major, minor) = crate::device::cuda::device_facts(n).compute_capability;

@@ -203,7 +203,8 @@ pub fn measure_steps_on(
             clip_grad_norm: None,
             nan_policy: NanPolicy::Stop,
         },
-        None,
+        // As `train` and the simulator: f16 trains with the loss scaler.
+        crate::optim::uses_loss_scaler(resolved.precision).then(crate::optim::GradScaler::default),
     )
     .distributed(comm.clone());
     let mut times = Vec::new();

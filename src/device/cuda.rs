@@ -215,6 +215,14 @@ pub fn probe(ordinal: usize) -> Result<CudaInfo, Missing> {
     }
 }
 
+/// Whether this machine has no GPU to use at all: a library the backend
+/// loads is missing, or the driver sees no device. Unlike the other probe
+/// failures (a wrong ordinal, an unsupported card, a busy or failing GPU),
+/// planning for a GPU elsewhere is then what a user can mean.
+pub fn no_gpu_here() -> bool {
+    first_missing_library().is_some() || matches!(probe(0), Err(m) if m.what == "no CUDA device")
+}
+
 /// The driver part of [`probe`], after the libraries were found.
 fn query_device(ordinal: usize) -> Result<CudaInfo, Missing> {
     use cudarc::driver::{CudaContext, DriverError, sys::CUresult};
@@ -560,10 +568,13 @@ impl Core {
         // staged bytes stay until the event below has passed.
         unsafe { drv::memcpy_htod_async(dst, staged, self.stream.cu_stream()) }
             .map_err(call_err("cuMemcpyHtoDAsync"))?;
-        slot.copied
-            .record(&self.stream)
-            .map_err(call_err("cuEventRecord"))?;
         slot.used = true;
+        if let Err(e) = slot.copied.record(&self.stream) {
+            // Without the event the slot's next user could not wait for
+            // this copy: wait for it now.
+            let _ = self.synchronize();
+            return Err(call_err("cuEventRecord")(e));
+        }
         Ok(())
     }
 

@@ -456,8 +456,8 @@ fn simulate_run(
 /// per-stage measurements taken on f32 inputs; a whole step can allocate
 /// more (on a GPU under bf16, the f32 copies a replayed stage makes of its
 /// bf16-stored input), so a plan the simulator puts over the budget is
-/// planned again with the DP's cap lowered by the overshoot, a few times,
-/// before this micro-batch is given up. The choice's peak is the
+/// planned again with the DP's cap at its modelled peak less the
+/// overshoot, until one checks out or none is left. The choice's peak is the
 /// simulator's.
 fn checked_best_plan(
     costs: &CostModel,
@@ -467,7 +467,9 @@ fn checked_best_plan(
     budget: usize,
 ) -> Result<Option<Choice>> {
     let mut cap = budget;
-    for _ in 0..4 {
+    // Each round lowers the cap below the rejected plan's modelled peak,
+    // so the DP must choose another plan (more recomputation) or none.
+    for _ in 0..costs.stages.len() * 2 + 2 {
         let Some(mut choice) = costs.best_plan(cap) else {
             return Ok(None);
         };
@@ -484,7 +486,7 @@ fn checked_best_plan(
             choice.peak = peak;
             return Ok(Some(choice));
         }
-        let Some(lower) = cap.checked_sub(peak - budget) else {
+        let Some(lower) = choice.peak.checked_sub((peak - budget).max(1)) else {
             return Ok(None);
         };
         cap = lower;
