@@ -185,14 +185,18 @@ impl TrainStep {
         } else if !out.loss.is_finite() {
             Some("loss")
         } else if read.non_finite {
-            Some(name_non_finite(pool, model)?)
+            // Naming it is a courtesy: a failure here must not keep the
+            // statistics from being put back.
+            Some(name_non_finite(pool, model).unwrap_or("gradient or batch norm statistic"))
         } else {
             None
         };
-        if bad.is_some() {
-            self.saved_buffers.restore(model)?;
-        }
+        let restored = match bad {
+            Some(_) => self.saved_buffers.restore(model),
+            None => Ok(()),
+        };
         self.saved_buffers.release();
+        restored?;
         if let Some(what) = bad
             && self.policy.nan_policy == NanPolicy::Stop
         {
