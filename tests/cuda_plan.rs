@@ -72,7 +72,7 @@ fn the_simulator_plans_a_step_for_a_gpu() {
 }
 
 /// The pool scratch the CUDA arm takes inside an op (BN partial sums, the
-/// loss's labels and row sums, the norm's partials, the finite flags) is
+/// loss's labels and row sums, the norm's partials, the op's totals) is
 /// counted on the meta device standing for a GPU, so a plan's peak holds
 /// it; the meta device standing for the CPU counts none.
 #[test]

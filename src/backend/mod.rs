@@ -626,18 +626,12 @@ pub fn adamw_update(
     Ok(())
 }
 
-/// Σ x² of f32 `t`, summed in f64 in index order (a gradient norm's part).
+/// Σ x² of f32 `t`, summed in f64 in index order (a gradient norm's part):
+/// [`sum_squares_add`] into totals of its own, read at once.
 pub fn sum_squares(t: &Tensor) -> Result<f64> {
-    note_host_read(t.device());
-    Ok(match t.device() {
-        Device::Cpu => cpu::sum_squares(t),
-        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => cuda::ops::sum_squares(t)?,
-        Device::Meta(_) => {
-            scratch::count_on_meta(t, &[scratch::sum_squares(t.numel())])?;
-            0.0
-        }
-    })
+    let mut totals = StepTotals::for_op(t)?;
+    sum_squares_add(&mut totals, t)?;
+    Ok(totals.read()?.sum_squares)
 }
 
 /// `t *= c`.
@@ -651,32 +645,20 @@ pub fn scale(t: &mut Tensor, c: f32) -> Result<()> {
     Ok(())
 }
 
-/// The scaler's unscale: `t *= inv`, and whether any result is inf or NaN.
+/// The scaler's unscale: `t *= inv`, and whether any result is inf or NaN
+/// ([`unscale_add`] into totals of its own, read at once).
 pub fn unscale(t: &mut Tensor, inv: f32) -> Result<bool> {
-    note_host_read(t.device());
-    Ok(match t.device() {
-        Device::Cpu => cpu::unscale(t, inv),
-        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => cuda::ops::unscale(t, inv)?,
-        Device::Meta(_) => {
-            scratch::count_on_meta(t, &[scratch::FLAG])?;
-            false
-        }
-    })
+    let mut totals = StepTotals::for_op(t)?;
+    unscale_add(&mut totals, t, inv)?;
+    Ok(totals.read()?.non_finite)
 }
 
-/// Whether every value of f32 `t` is finite.
+/// Whether every value of f32 `t` is finite ([`check_finite_add`] into
+/// totals of its own, read at once).
 pub fn all_finite(t: &Tensor) -> Result<bool> {
-    note_host_read(t.device());
-    Ok(match t.device() {
-        Device::Cpu => cpu::all_finite(t),
-        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => cuda::ops::all_finite(t)?,
-        Device::Meta(_) => {
-            scratch::count_on_meta(t, &[scratch::FLAG])?;
-            true
-        }
-    })
+    let mut totals = StepTotals::for_op(t)?;
+    check_finite_add(&mut totals, t)?;
+    Ok(!totals.read()?.non_finite)
 }
 
 // ---------------------------------------------------------------------------

@@ -45,23 +45,11 @@ pub fn cross_entropy_offsets(n: usize) -> (usize, usize, usize) {
     (0, row_loss, row_loss + a16(8 * n))
 }
 
-/// Sum of squares over `n` values read back alone: the block partials and
-/// the total (f64).
-pub fn sum_squares(n: usize) -> usize {
-    if n == 0 {
-        return 0; // the sum is 0.0 without a launch
-    }
-    sum_squares_partials(n) + 8
-}
-
-/// Sum of squares over `n` values added into a step's totals: the block
-/// partials (f64).
+/// Sum of squares over `n` values added into totals: the block partials
+/// (f64).
 pub fn sum_squares_partials(n: usize) -> usize {
     n.div_ceil(SQ_CHUNK) * 8
 }
-
-/// The found-inf / non-finite flag (one i32).
-pub const FLAG: usize = 4;
 
 /// What one optimizer step returns to the host, accumulated on the device
 /// ([`crate::backend::StepTotals`]): f64 loss at [`TOTALS_LOSS`], f64 sum

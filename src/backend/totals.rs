@@ -42,35 +42,40 @@ pub struct StepTotals {
 }
 
 impl StepTotals {
-    /// Zeroed totals for work on `pool`'s device.
+    /// Zeroed totals for work on `pool`'s device (a step's: held across
+    /// its micro-batches).
     pub fn new(pool: &Pool) -> Result<Self> {
-        let device = match pool.device().target() {
-            Target::Cpu => None,
-            #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-            Target::Cuda(_) => Some(pool.zeros_f32(
+        Self::zeroed(pool.device(), || {
+            pool.zeros_f32(
                 &[scratch::STEP_TOTALS / 4],
                 crate::memory::Category::Workspace,
                 crate::memory::Tag::fixed("step totals"),
-            )?),
-        };
-        Ok(StepTotals {
-            host: Totals::default(),
-            device,
+            )
         })
     }
 
     /// Zeroed totals for one op on `like`'s device, from the pool of
     /// `like` (pool scratch, as the op's own).
     pub fn for_op(like: &Tensor) -> Result<Self> {
-        let device = match like.device().target() {
+        Self::zeroed(like.device(), || {
+            like.scratch(
+                scratch::STEP_TOTALS,
+                crate::memory::Tag::fixed("op totals"),
+                true,
+            )
+        })
+    }
+
+    /// Host totals on the CPU; on a GPU (or a meta device standing for one)
+    /// the device bytes `alloc` makes.
+    fn zeroed(device: Device, alloc: impl FnOnce() -> Result<Tensor>) -> Result<Self> {
+        let device = match device.target() {
             Target::Cpu => None,
             #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-            Target::Cuda(_) => Some(like.scratch(
-                scratch::STEP_TOTALS,
-                crate::memory::Tag::fixed("loss totals"),
-                true,
-            )?),
+            Target::Cuda(_) => Some(alloc()?),
         };
+        #[cfg(not(any(feature = "cuda", feature = "cuda-12")))]
+        let _ = alloc;
         Ok(StepTotals {
             host: Totals::default(),
             device,

@@ -1160,20 +1160,6 @@ pub fn adamw_update(
 /// The block size of reduce.cu's `sum_squares_partial` (`SQ_THREADS`).
 const SQ_THREADS: u32 = 256;
 
-/// reduce.cu's `sum_squares_partial` and `sum_squares_finish_add` into a zeroed
-/// total (partials in a pool scratch); one 8-byte read.
-pub fn sum_squares(t: &Tensor) -> Result<f64> {
-    if t.numel() == 0 {
-        return Ok(0.0); // as scratch::sum_squares: nothing taken
-    }
-    let st = state(ordinal(t)?)?;
-    let total = t.scratch(8, Tag::fixed("sum_squares total"), true)?;
-    sum_squares_add(&total, 0, t)?;
-    let mut host = [0f64; 1];
-    st.core.download(&mut host, total.device_address())?;
-    Ok(host[0])
-}
-
 /// `*acc += Σ x²` of `t` on the device, where `acc` is the f64 at byte
 /// `at` of `acc_in` (reduce.cu's `sum_squares_partial` and
 /// `sum_squares_finish_add`; partials in a pool scratch): a clipping norm
@@ -1214,39 +1200,19 @@ pub fn sum_squares_add(acc_in: &Tensor, at: usize, t: &Tensor) -> Result<()> {
     )
 }
 
-/// A zeroed 4-byte device flag from the pool, read back after `f` queued
-/// the kernel that may set it.
-fn with_flag(t: &Tensor, f: impl FnOnce(u64) -> Result<()>) -> Result<bool> {
-    let st = state(ordinal(t)?)?;
-    let flag = t.scratch(scratch::FLAG, Tag::fixed("finite flag"), true)?;
-    f(flag.device_address())?;
-    let mut host = [0i32; 1];
-    st.core.download(&mut host, flag.device_address())?;
-    Ok(host[0] != 0)
-}
-
 pub fn scale(t: &mut Tensor, c: f32) -> Result<()> {
     let st = state(ordinal(t)?)?;
     let n = t.numel();
     launch(&st, "reduce", "scale", n, &[ptr(t), n64(n), Arg::F32(c)])
 }
 
-/// reduce.cu's `unscale` with a pool flag; one 4-byte read.
-pub fn unscale(t: &mut Tensor, inv: f32) -> Result<bool> {
-    with_flag(t, |flag| unscale_flag(t, flag, inv))
-}
-
-/// reduce.cu's `all_finite` with a pool flag; one 4-byte read.
-pub fn all_finite(t: &Tensor) -> Result<bool> {
-    Ok(!with_flag(t, |flag| all_finite_flag(flag, t))?)
-}
-
-/// `t *= inv` on the device (the callers hold `t` mutably), storing 1
-/// into the device int at `flag` when a result is inf or NaN; nothing is
-/// read.
-fn unscale_flag(t: &Tensor, flag: u64, inv: f32) -> Result<()> {
+/// reduce.cu's `unscale`: `t *= inv` (the caller holds `t` mutably),
+/// storing 1 into the totals' flag (byte [`scratch::TOTALS_FLAG`]) when a
+/// result is inf or NaN; nothing is read.
+pub fn unscale_into(totals: &Tensor, t: &mut Tensor, inv: f32) -> Result<()> {
     let st = state(ordinal(t)?)?;
     let n = t.numel();
+    let flag = totals.device_address() + scratch::TOTALS_FLAG as u64;
     launch(
         &st,
         "reduce",
@@ -1256,11 +1222,12 @@ fn unscale_flag(t: &Tensor, flag: u64, inv: f32) -> Result<()> {
     )
 }
 
-/// Stores 1 into the device int at `flag` when a value of `t` is inf or
-/// NaN; nothing is read.
-fn all_finite_flag(flag: u64, t: &Tensor) -> Result<()> {
+/// reduce.cu's `all_finite`: stores 1 into the totals' flag when a value
+/// of `t` is inf or NaN; nothing is read.
+pub fn check_finite_into(totals: &Tensor, t: &Tensor) -> Result<()> {
     let st = state(ordinal(t)?)?;
     let n = t.numel();
+    let flag = totals.device_address() + scratch::TOTALS_FLAG as u64;
     launch(
         &st,
         "reduce",
@@ -1268,21 +1235,6 @@ fn all_finite_flag(flag: u64, t: &Tensor) -> Result<()> {
         n,
         &[Arg::Ptr(flag), ptr(t), n64(n)],
     )
-}
-
-/// [`unscale`] into a step's totals: the flag is the totals' int at byte
-/// `scratch::TOTALS_FLAG`.
-pub fn unscale_into(totals: &Tensor, t: &mut Tensor, inv: f32) -> Result<()> {
-    unscale_flag(
-        t,
-        totals.device_address() + scratch::TOTALS_FLAG as u64,
-        inv,
-    )
-}
-
-/// [`all_finite`] into a step's totals' flag.
-pub fn check_finite_into(totals: &Tensor, t: &Tensor) -> Result<()> {
-    all_finite_flag(totals.device_address() + scratch::TOTALS_FLAG as u64, t)
 }
 
 /// The step's totals ([`scratch::STEP_TOTALS`] bytes) on the host: the
