@@ -167,13 +167,13 @@ pub fn pick_device(flag: &str, say: bool, strict_fp32: bool) -> Result<Device> {
 /// timed). A build without CUDA support still refuses `--device cuda`.
 pub fn plan_device(flag: &str, say: bool, strict_fp32: bool) -> Result<(Device, bool)> {
     match pick_device(flag, say, strict_fp32) {
-        Ok(d) => Ok((d, false)),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Err(Error::CudaUnavailable { what, .. })
-            if crate::device::cuda_ordinal(flag).is_some()
-                && crate::device::cuda::no_gpu_here() =>
-        {
-            let n = crate::device::cuda_ordinal(flag).unwrap_or(0);
+        Err(Error::CudaUnavailable { what, hint }) => {
+            let Some(n) =
+                crate::device::cuda_ordinal(flag).filter(|_| crate::device::cuda::no_gpu_here())
+            else {
+                return Err(Error::CudaUnavailable { what, hint });
+            };
             if say {
                 let (major, minor) = crate::device::cuda::device_facts(n).compute_capability;
                 eprintln!(
@@ -185,7 +185,7 @@ pub fn plan_device(flag: &str, say: bool, strict_fp32: bool) -> Result<(Device, 
             }
             Ok((Device::Meta(crate::device::Target::Cuda(n)), true))
         }
-        Err(e) => Err(e),
+        other => other.map(|d| (d, false)),
     }
 }
 

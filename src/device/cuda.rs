@@ -220,8 +220,12 @@ pub fn probe(ordinal: usize) -> Result<CudaInfo, Missing> {
 /// failures (a wrong ordinal, an unsupported card, a busy or failing GPU),
 /// planning for a GPU elsewhere is then what a user can mean.
 pub fn no_gpu_here() -> bool {
-    first_missing_library().is_some() || matches!(probe(0), Err(m) if m.what == "no CUDA device")
+    first_missing_library().is_some()
+        || matches!(&device_facts(0).probe, Err(m) if m.what == NO_DEVICE)
 }
+
+/// What [`probe`] says when the driver sees no GPU at all.
+const NO_DEVICE: &str = "no CUDA device";
 
 /// The driver part of [`probe`], after the libraries were found.
 fn query_device(ordinal: usize) -> Result<CudaInfo, Missing> {
@@ -229,7 +233,7 @@ fn query_device(ordinal: usize) -> Result<CudaInfo, Missing> {
     let driver_err = |op: &str, e: DriverError| {
         if e.0 == CUresult::CUDA_ERROR_NO_DEVICE {
             return Missing {
-                what: "no CUDA device".into(),
+                what: NO_DEVICE.into(),
                 hint: "the NVIDIA driver is installed but sees no GPU (check nvidia-smi and \
                        CUDA_VISIBLE_DEVICES)"
                     .into(),

@@ -186,25 +186,15 @@ pub fn select(kind: &str) -> std::result::Result<(Device, String), SelectError> 
     match kind {
         "cpu" => Ok((Device::Cpu, "device: cpu (--device cpu)".into())),
         "auto" => Ok(select_auto()),
-        _ => {
-            let Some(rest) = kind.strip_prefix("cuda") else {
-                return Err(SelectError::Usage(format!(
-                    "unknown device '{kind}': use cpu, cuda, cuda:N (N a GPU number) or auto"
-                )));
-            };
-            let ordinal = match rest {
-                "" => 0,
-                _ => rest
-                    .strip_prefix(':')
-                    .and_then(|n| n.parse::<u32>().ok())
-                    .ok_or_else(|| {
-                        SelectError::Usage(format!(
-                            "unknown device '{kind}': use cuda:N with N a GPU number, e.g. cuda:0"
-                        ))
-                    })?,
-            };
-            select_cuda(ordinal)
-        }
+        _ => match cuda_ordinal(kind) {
+            Some(ordinal) => select_cuda(ordinal),
+            None if kind.starts_with("cuda") => Err(SelectError::Usage(format!(
+                "unknown device '{kind}': use cuda:N with N a GPU number, e.g. cuda:0"
+            ))),
+            None => Err(SelectError::Usage(format!(
+                "unknown device '{kind}': use cpu, cuda, cuda:N (N a GPU number) or auto"
+            ))),
+        },
     }
 }
 
