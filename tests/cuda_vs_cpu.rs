@@ -311,6 +311,42 @@ fn workspace(pool: &Pool, g: &ConvGeom, pass: ConvPass) -> Tensor {
         .unwrap()
 }
 
+/// One convolution of geometry `g` on `pool`: the forward of `xv` by `wv`,
+/// then the backward of `dyv` accumulating into `dx0` (the input gradient
+/// skipped when `None`, as for the stem) and `dw0`, in strict fp32 unless
+/// TF32 is allowed. Returns y, dx and dw on the host.
+#[allow(clippy::type_complexity)]
+fn conv_run(
+    pool: &Pool,
+    g: &ConvGeom,
+    (xv, wv, dyv): (&[f32], &[f32], &[f32]),
+    dx0: Option<&[f32]>,
+    dw0: &[f32],
+) -> memfit::Result<(Vec<f32>, Option<Vec<f32>>, Vec<f32>)> {
+    let xd = [g.n, g.h, g.w, g.cin];
+    let wd = [g.kh, g.kw, g.cin, g.cout];
+    let yd = [g.n, g.oh(), g.ow(), g.cout];
+    let (x, w) = (t(pool, &xd, xv), t(pool, &wd, wv));
+    let mut y = empty(pool, &yd);
+    let mut ws = workspace(pool, g, ConvPass::Forward);
+    backend::conv2d_forward(&mut y, &x, &w, g, &mut ws, Precision::F32)?;
+    let dy = t(pool, &yd, dyv);
+    let mut dx = dx0.map(|v| t(pool, &xd, v));
+    let mut dw = t(pool, &wd, dw0);
+    let mut ws = workspace(pool, g, ConvPass::Backward);
+    backend::conv2d_backward(
+        dx.as_mut(),
+        &mut dw,
+        &dy,
+        &x,
+        &w,
+        g,
+        &mut ws,
+        Precision::F32,
+    )?;
+    Ok((host(&y), dx.as_ref().map(host), host(&dw)))
+}
+
 /// The CLI's default on a GPU (as PyTorch's cuDNN): fp32 convolutions in
 /// TF32 (10-bit mantissa products, f32 sums), forward and backward within
 /// 1e-2 normwise of the CPU's strict fp32. Process-wide switch, restored
@@ -330,55 +366,21 @@ fn tf32_convolutions_match_the_cpu_loosely() {
         stride: 1,
         pad: 1,
     };
-    let (xd, wd, yd) = ([2, 9, 9, 16], [3, 3, 16, 32], [2, g.oh(), g.ow(), 32]);
     let (xv, wv, dyv) = (
         values(2 * 9 * 9 * 16, 301),
         values(3 * 3 * 16 * 32, 302),
         values(2 * g.oh() * g.ow() * 32, 303),
     );
+    let (zeros_x, zeros_w) = (vec![0.0; xv.len()], vec![0.0; wv.len()]);
+    let inputs = (&xv[..], &wv[..], &dyv[..]);
     backend::cuda::dnn::set_allow_tf32(true);
-    let (gx, cx) = (t(&pool, &xd, &xv), t(&cpu, &xd, &xv));
-    let (gw, cw) = (t(&pool, &wd, &wv), t(&cpu, &wd, &wv));
-    let (mut gy, mut cy) = (empty(&pool, &yd), empty(&cpu, &yd));
-    let mut gws = workspace(&pool, &g, ConvPass::Forward);
-    let mut cws = workspace(&cpu, &g, ConvPass::Forward);
-    let fwd = backend::conv2d_forward(&mut gy, &gx, &gw, &g, &mut gws, Precision::F32);
-    backend::conv2d_forward(&mut cy, &cx, &cw, &g, &mut cws, Precision::F32).unwrap();
-    let (gdy, cdy) = (t(&pool, &yd, &dyv), t(&cpu, &yd, &dyv));
-    let zeros_x = vec![0.0; xv.len()];
-    let zeros_w = vec![0.0; wv.len()];
-    let (mut gdx, mut cdx) = (t(&pool, &xd, &zeros_x), t(&cpu, &xd, &zeros_x));
-    let (mut gdw, mut cdw) = (t(&pool, &wd, &zeros_w), t(&cpu, &wd, &zeros_w));
-    let mut gws = workspace(&pool, &g, ConvPass::Backward);
-    let mut cws = workspace(&cpu, &g, ConvPass::Backward);
-    let bwd = backend::conv2d_backward(
-        Some(&mut gdx),
-        &mut gdw,
-        &gdy,
-        &gx,
-        &gw,
-        &g,
-        &mut gws,
-        Precision::F32,
-    );
-    let gy_host = host(&gy);
+    let on_gpu = conv_run(&pool, &g, inputs, Some(&zeros_x), &zeros_w);
     backend::cuda::dnn::set_allow_tf32(false);
-    fwd.unwrap();
-    bwd.unwrap();
-    backend::conv2d_backward(
-        Some(&mut cdx),
-        &mut cdw,
-        &cdy,
-        &cx,
-        &cw,
-        &g,
-        &mut cws,
-        Precision::F32,
-    )
-    .unwrap();
-    assert_close_normwise("tf32 conv fwd", &gy_host, cy.f32(), 1e-2);
-    assert_close_normwise("tf32 conv dgrad", &host(&gdx), cdx.f32(), 1e-2);
-    assert_close_normwise("tf32 conv wgrad", &host(&gdw), cdw.f32(), 1e-2);
+    let (gy, gdx, gdw) = on_gpu.unwrap();
+    let (cy, cdx, cdw) = conv_run(&cpu, &g, inputs, Some(&zeros_x), &zeros_w).unwrap();
+    assert_close_normwise("tf32 conv fwd", &gy, &cy, 1e-2);
+    assert_close_normwise("tf32 conv dgrad", &gdx.unwrap(), &cdx.unwrap(), 1e-2);
+    assert_close_normwise("tf32 conv wgrad", &gdw, &cdw, 1e-2);
 }
 
 /// cuDNN convolutions (strict fp32, pinned algorithms) against the CPU's:
@@ -413,69 +415,22 @@ fn convolutions_match_the_cpu() {
         let what = format!("{g:?}");
         let seed = seed as u32 * 10;
         let (oh, ow) = (g.oh(), g.ow());
-        let xd = [n, h, w, cin];
-        let wd = [k, k, cin, cout];
-        let yd = [n, oh, ow, cout];
         let xv = values(n * h * w * cin, seed + 1);
         let wv = values(k * k * cin * cout, seed + 2);
         let dyv = values(n * oh * ow * cout, seed + 3);
         let dx0 = values(n * h * w * cin, seed + 4);
         let dw0 = values(k * k * cin * cout, seed + 5);
-        let (gx, cx) = (t(&pool, &xd, &xv), t(&cpu, &xd, &xv));
-        let (gw, cw) = (t(&pool, &wd, &wv), t(&cpu, &wd, &wv));
-        let (mut gy, mut cy) = (empty(&pool, &yd), empty(&cpu, &yd));
-        let mut gws = workspace(&pool, &g, ConvPass::Forward);
-        let mut cws = workspace(&cpu, &g, ConvPass::Forward);
-        backend::conv2d_forward(&mut gy, &gx, &gw, &g, &mut gws, Precision::F32).unwrap();
-        backend::conv2d_forward(&mut cy, &cx, &cw, &g, &mut cws, Precision::F32).unwrap();
-        assert_close_normwise(&format!("conv fwd {what}"), &host(&gy), cy.f32(), 1e-5);
-        let (gdy, cdy) = (t(&pool, &yd, &dyv), t(&cpu, &yd, &dyv));
-        let (mut gdx, mut cdx) = (t(&pool, &xd, &dx0), t(&cpu, &xd, &dx0));
-        let (mut gdw, mut cdw) = (t(&pool, &wd, &dw0), t(&cpu, &wd, &dw0));
-        let mut gws = workspace(&pool, &g, ConvPass::Backward);
-        let mut cws = workspace(&cpu, &g, ConvPass::Backward);
-        backend::conv2d_backward(
-            Some(&mut gdx),
-            &mut gdw,
-            &gdy,
-            &gx,
-            &gw,
-            &g,
-            &mut gws,
-            Precision::F32,
-        )
-        .unwrap();
-        backend::conv2d_backward(
-            Some(&mut cdx),
-            &mut cdw,
-            &cdy,
-            &cx,
-            &cw,
-            &g,
-            &mut cws,
-            Precision::F32,
-        )
-        .unwrap();
-        assert_close_normwise(&format!("conv dgrad {what}"), &host(&gdx), cdx.f32(), 1e-5);
-        assert_close_normwise(&format!("conv wgrad {what}"), &host(&gdw), cdw.f32(), 1e-5);
+        let inputs = (&xv[..], &wv[..], &dyv[..]);
+        let (gy, gdx, gdw) = conv_run(&pool, &g, inputs, Some(&dx0), &dw0).unwrap();
+        let (cy, cdx, cdw) = conv_run(&cpu, &g, inputs, Some(&dx0), &dw0).unwrap();
+        assert_close_normwise(&format!("conv fwd {what}"), &gy, &cy, 1e-5);
+        let (gdx, cdx) = (gdx.unwrap(), cdx.unwrap());
+        assert_close_normwise(&format!("conv dgrad {what}"), &gdx, &cdx, 1e-5);
+        assert_close_normwise(&format!("conv wgrad {what}"), &gdw, &cdw, 1e-5);
         // Without dx (the stem): the weight gradient alone, same values.
-        let mut gdw2 = t(&pool, &wd, &dw0);
-        backend::conv2d_backward(
-            None,
-            &mut gdw2,
-            &gdy,
-            &gx,
-            &gw,
-            &g,
-            &mut gws,
-            Precision::F32,
-        )
-        .unwrap();
-        assert_bits(
-            &format!("conv wgrad alone {what}"),
-            &host(&gdw2),
-            &host(&gdw),
-        );
+        let (_, none, gdw2) = conv_run(&pool, &g, inputs, None, &dw0).unwrap();
+        assert!(none.is_none());
+        assert_bits(&format!("conv wgrad alone {what}"), &gdw2, &gdw);
     }
 }
 
