@@ -430,6 +430,14 @@ pub fn train_on(
             a.device
         )));
     }
+    // A host budget the machine cannot hold bounds nothing (a GPU's budget
+    // is checked against the card by the pool).
+    if let Some(w) = budget
+        .filter(|_| root && device == crate::device::Device::Cpu)
+        .and_then(|b| crate::memory::budget_warning(b, crate::memory::physical_memory_bytes()))
+    {
+        eprintln!("warning: {w}");
+    }
     let pool = Pool::on(device);
     let data = load_data(&a.data, a.seed)?;
     let (train_set, val_set, size) = (&*data.train, &*data.val, data.size);

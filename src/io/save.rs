@@ -1,91 +1,169 @@
 //! Writing a model's state_dict as a torchvision-loadable safetensors file.
 
-use std::borrow::Cow;
-use std::collections::HashMap;
-use std::fs::{self, OpenOptions};
-use std::io::Write;
+use std::collections::{BTreeMap, HashMap};
+use std::fs::{self, File, OpenOptions};
+use std::io::{BufWriter, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
-use safetensors::{Dtype, View};
+use safetensors::Dtype;
+use safetensors::tensor::TensorInfo;
 
 use crate::error::{Error, Result};
 use crate::nn::{ResNet, StateSlot};
+use crate::tensor::Tensor;
 
-/// One tensor ready to be written: little-endian bytes in PyTorch layout.
-struct Entry {
+/// One tensor of the file as the header describes it.
+struct EntryInfo {
+    name: String,
     dtype: Dtype,
     shape: Vec<usize>,
-    bytes: Vec<u8>,
+    bytes: usize,
 }
 
-impl View for &Entry {
-    fn dtype(&self) -> Dtype {
-        self.dtype
+/// Writes a tensor's values as little-endian f32 in bounded chunks (a
+/// whole-tensor byte copy would double the tensor's footprint once more).
+fn write_f32(out: &mut impl Write, v: &[f32]) -> std::io::Result<()> {
+    let mut buf = Vec::with_capacity(16 << 10);
+    for chunk in v.chunks(4 << 10) {
+        buf.clear();
+        buf.extend(chunk.iter().flat_map(|x| x.to_le_bytes()));
+        out.write_all(&buf)?;
     }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn data(&self) -> Cow<'_, [u8]> {
-        Cow::Borrowed(&self.bytes)
-    }
-    fn data_len(&self) -> usize {
-        self.bytes.len()
-    }
+    Ok(())
 }
 
-fn f32_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
-/// Every state_dict entry of `model` in torchvision names and layout: conv
-/// weights OIHW, all parameters and running statistics F32, and
-/// `num_batches_tracked` an I64 0-d tensor (shape `[]`), as `torch.save`
-/// would write them. Values come through the backend's host copy, so a
-/// model on a GPU saves as one on the CPU.
-fn state_entries(model: &mut ResNet) -> Result<Vec<(String, Entry)>> {
+/// The state_dict entries of `model` (torchvision names and layout: conv
+/// weights OIHW, parameters and running statistics F32,
+/// `num_batches_tracked` an I64 0-d tensor, as `torch.save` writes them),
+/// described without copying any values.
+fn state_infos(model: &mut ResNet) -> Vec<EntryInfo> {
     let mut out = Vec::new();
-    let mut res = Ok(());
+    model.visit_state(|slot| {
+        let name = slot.name().to_string();
+        let (dtype, shape) = match slot {
+            StateSlot::Param { torch_shape, .. } => (Dtype::F32, torch_shape),
+            StateSlot::Buffer { tensor, .. } => (Dtype::F32, vec![tensor.numel()]),
+            StateSlot::Count { .. } => (Dtype::I64, vec![]),
+        };
+        let bytes = shape.iter().product::<usize>() * dtype.bitsize() / 8;
+        out.push(EntryInfo {
+            name,
+            dtype,
+            shape,
+            bytes,
+        });
+    });
+    out
+}
+
+/// The safetensors header for `infos` and `metadata`, in the order
+/// `safetensors::serialize` lays the data out (descending dtype alignment,
+/// then name), with the metadata keys sorted so equal states give equal
+/// files; padded with spaces to a multiple of 8 bytes. Returns the header
+/// and each entry's data offset by name.
+fn header(
+    infos: &[EntryInfo],
+    metadata: &BTreeMap<String, String>,
+) -> std::result::Result<(Vec<u8>, HashMap<String, usize>), String> {
+    let mut order: Vec<&EntryInfo> = infos.iter().collect();
+    order.sort_by(|a, b| b.dtype.cmp(&a.dtype).then(a.name.cmp(&b.name)));
+    let mut text = String::from("{\"__metadata__\":");
+    text.push_str(&serde_json::to_string(metadata).map_err(|e| e.to_string())?);
+    let mut offsets = HashMap::new();
+    let mut at = 0;
+    for e in order {
+        if offsets.insert(e.name.clone(), at).is_some() {
+            return Err(format!("two tensors are named '{}'", e.name));
+        }
+        let info = TensorInfo {
+            dtype: e.dtype,
+            shape: e.shape.clone(),
+            data_offsets: (at, at + e.bytes),
+        };
+        text.push(',');
+        text.push_str(&serde_json::to_string(&e.name).map_err(|e| e.to_string())?);
+        text.push(':');
+        text.push_str(&serde_json::to_string(&info).map_err(|e| e.to_string())?);
+        at += e.bytes;
+    }
+    text.push('}');
+    let mut bytes = text.into_bytes();
+    bytes.resize(bytes.len().next_multiple_of(8), b' ');
+    Ok((bytes, offsets))
+}
+
+/// Streams `model`'s state_dict and `extras` into `file` as safetensors:
+/// the header first, then each tensor copied to the host, converted and
+/// written at its offset one at a time, so saving holds one tensor's copy
+/// at most (the whole file used to be built in memory: `--save-dir`
+/// doubled the resident set).
+fn write_safetensors(
+    file: &mut File,
+    model: &mut ResNet,
+    extras: &[(String, &Tensor)],
+    metadata: &BTreeMap<String, String>,
+) -> std::result::Result<(), String> {
+    let mut infos = state_infos(model);
+    for (name, t) in extras {
+        infos.push(EntryInfo {
+            name: name.clone(),
+            dtype: Dtype::F32,
+            shape: t.dims().to_vec(),
+            bytes: t.numel() * 4,
+        });
+    }
+    let (head, offsets) = header(&infos, metadata)?;
+    let data_start = 8 + head.len() as u64;
+    let io = |e: std::io::Error| e.to_string();
+    {
+        let mut w = BufWriter::new(&mut *file);
+        w.write_all(&(head.len() as u64).to_le_bytes())
+            .map_err(io)?;
+        w.write_all(&head).map_err(io)?;
+        w.flush().map_err(io)?;
+    }
+    let mut res: std::result::Result<(), String> = Ok(());
+    let put = |file: &mut File,
+               name: &str,
+               write: &mut dyn FnMut(&mut BufWriter<&mut File>) -> std::io::Result<()>|
+     -> std::result::Result<(), String> {
+        let at = offsets[name] as u64;
+        file.seek(SeekFrom::Start(data_start + at)).map_err(io)?;
+        let mut w = BufWriter::with_capacity(1 << 20, file);
+        write(&mut w).map_err(io)?;
+        w.flush().map_err(io)
+    };
     model.visit_state(|slot| {
         if res.is_err() {
             return;
         }
         let name = slot.name().to_string();
-        let entry = match slot {
+        res = match slot {
             StateSlot::Param {
                 param,
                 torch_shape,
                 layout,
-            } => match crate::backend::copy_to_host(&param.value) {
-                Ok(v) => Entry {
-                    dtype: Dtype::F32,
-                    bytes: f32_bytes(&layout.to_torch(&v, &torch_shape)),
-                    shape: torch_shape,
-                },
-                Err(e) => {
-                    res = Err(e);
-                    return;
-                }
-            },
-            StateSlot::Buffer { tensor, .. } => match crate::backend::copy_to_host(tensor) {
-                Ok(v) => Entry {
-                    dtype: Dtype::F32,
-                    shape: vec![tensor.numel()],
-                    bytes: f32_bytes(&v),
-                },
-                Err(e) => {
-                    res = Err(e);
-                    return;
-                }
-            },
-            StateSlot::Count { value, .. } => Entry {
-                dtype: Dtype::I64,
-                shape: vec![],
-                bytes: value.to_le_bytes().to_vec(),
-            },
+            } => crate::backend::copy_to_host(&param.value)
+                .map_err(|e| e.to_string())
+                .and_then(|v| {
+                    let torch = layout.to_torch(&v, &torch_shape);
+                    drop(v);
+                    put(file, &name, &mut |w| write_f32(w, &torch))
+                }),
+            StateSlot::Buffer { tensor, .. } => crate::backend::copy_to_host(tensor)
+                .map_err(|e| e.to_string())
+                .and_then(|v| put(file, &name, &mut |w| write_f32(w, &v))),
+            StateSlot::Count { value, .. } => {
+                put(file, &name, &mut |w| w.write_all(&value.to_le_bytes()))
+            }
         };
-        out.push((name, entry));
     });
-    res.map(|()| out)
+    res?;
+    for (name, t) in extras {
+        let v = crate::backend::copy_to_host(t).map_err(|e| e.to_string())?;
+        put(file, name, &mut |w| write_f32(w, &v))?;
+    }
+    Ok(())
 }
 
 /// Writes every state_dict entry of `model` to `path` as safetensors, in
@@ -99,45 +177,25 @@ fn state_entries(model: &mut ResNet) -> Result<Vec<(String, Entry)>> {
 /// fsynced. On any failure the previous file at `path` (if any) is left
 /// intact and the error is an [`Error::Io`] naming `path`.
 pub fn save_state_dict(model: &mut ResNet, path: &Path) -> Result<()> {
-    let entries = state_entries(model)?;
-    let metadata = HashMap::from([
-        ("format".to_string(), "pt".to_string()),
-        ("generator".to_string(), "memfit".to_string()),
-    ]);
-    let bytes =
-        safetensors::serialize(entries.iter().map(|(n, e)| (n.as_str(), e)), Some(metadata))
-            .map_err(|e| io_err(path, format!("cannot serialise the state_dict: {e}")))?;
-    drop(entries);
-    write_atomic(path, &bytes)
+    save_state_dict_with(model, &[], HashMap::new(), path)
 }
 
-/// [`save_state_dict`] plus extra f32 tensors (`(name, shape, values)`,
-/// names that no state_dict entry uses) and metadata: a training-state
-/// checkpoint. Atomic like `save_state_dict`.
+/// [`save_state_dict`] plus extra f32 tensors (`(name, tensor)`, names that
+/// no state_dict entry uses; on any device) and metadata: a training-state
+/// checkpoint. Atomic like `save_state_dict`; the same state and metadata
+/// give the same bytes.
 pub fn save_state_dict_with(
     model: &mut ResNet,
-    extras: &[(String, Vec<usize>, &[f32])],
-    mut metadata: HashMap<String, String>,
+    extras: &[(String, &Tensor)],
+    metadata: HashMap<String, String>,
     path: &Path,
 ) -> Result<()> {
-    let mut entries = state_entries(model)?;
-    for (name, shape, values) in extras {
-        entries.push((
-            name.clone(),
-            Entry {
-                dtype: Dtype::F32,
-                shape: shape.clone(),
-                bytes: f32_bytes(values),
-            },
-        ));
-    }
+    let mut metadata: BTreeMap<String, String> = metadata.into_iter().collect();
     metadata.insert("format".to_string(), "pt".to_string());
     metadata.insert("generator".to_string(), "memfit".to_string());
-    let bytes =
-        safetensors::serialize(entries.iter().map(|(n, e)| (n.as_str(), e)), Some(metadata))
-            .map_err(|e| io_err(path, format!("cannot serialise the checkpoint: {e}")))?;
-    drop(entries);
-    write_atomic(path, &bytes)
+    write_atomic(path, |file| {
+        write_safetensors(file, model, extras, &metadata)
+    })
 }
 
 fn io_err(path: &Path, reason: String) -> Error {
@@ -157,7 +215,10 @@ fn parent_dir(path: &Path) -> PathBuf {
 
 /// Writes `bytes` to `path` through a temporary file in the same directory
 /// (fsync, rename, fsync of the directory).
-pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+pub(crate) fn write_atomic(
+    path: &Path,
+    write: impl FnOnce(&mut File) -> std::result::Result<(), String>,
+) -> Result<()> {
     let Some(file_name) = path.file_name() else {
         return Err(io_err(path, "is not a file path".into()));
     };
@@ -184,9 +245,8 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
                 format!("cannot create a temporary file in '{}': {e}", dir.display()),
             )
         })?;
-    let written = file
-        .write_all(bytes)
-        .and_then(|()| file.sync_all())
+    let written = write(&mut file)
+        .and_then(|()| file.sync_all().map_err(|e| e.to_string()))
         .map_err(|e| format!("cannot write '{}': {e}", tmp.display()));
     drop(file);
     let renamed = written.and_then(|()| {

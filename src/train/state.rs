@@ -360,16 +360,10 @@ pub fn save_state(
         }
     }
     let (buffers, steps) = optimizer.state();
-    // Host copies of the optimizer state, whatever device it lives on.
-    let host = buffers
-        .iter()
-        .map(|(_, t)| crate::backend::copy_to_host(t))
-        .collect::<Result<Vec<_>>>()?;
-    let extras: Vec<(String, Vec<usize>, &[f32])> = buffers
-        .iter()
-        .zip(&host)
-        .map(|((n, t), v)| (n.clone(), t.dims().to_vec(), v.as_slice()))
-        .collect();
+    // The optimizer state, on whatever device it lives: the writer copies
+    // one tensor at a time to the host.
+    let extras: Vec<(String, &crate::tensor::Tensor)> =
+        buffers.iter().map(|(n, t)| (n.clone(), *t)).collect();
     let mut meta = saving.metadata.clone();
     meta.extend([
         ("memfit_checkpoint".to_string(), FORMAT_VERSION.to_string()),
