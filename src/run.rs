@@ -18,10 +18,12 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
-use crate::data::{Data, DataOptions, Dataset, load_data};
+use crate::data::{Data, DataOptions, Dataset, FolderReading, load_data, load_eval_data};
 use crate::dist::{Collective, Single, check_same_config};
 use crate::error::{Error, Result};
-use crate::io::{ModelMeta, TensorFile, fc_rows, load_torchvision, save_state_dict_with};
+use crate::io::{
+    FolderInput, InputMeta, ModelMeta, TensorFile, fc_rows, load_torchvision, save_state_dict_with,
+};
 use crate::memory::{Category, MemoryStats, Pool, fmt_bytes, parse_bytes};
 use crate::nn::{BnPolicy, StemKind};
 use crate::optim::{GradScaler, OptimizerKind, ScheduleKind};
@@ -54,12 +56,14 @@ pub struct TrainConfig {
     pub num_classes: Option<usize>,
     pub batch_size: usize,
     pub optimizer: OptimizerKind,
-    pub lr: f32,
+    /// None: [`default_lr`].
+    pub lr: Option<f32>,
     pub momentum: f32,
     pub nesterov: bool,
     pub weight_decay: Option<f32>,
     pub schedule: ScheduleKind,
-    pub warmup_epochs: usize,
+    /// None: [`default_lr`]'s.
+    pub warmup_epochs: Option<usize>,
     pub step_epochs: usize,
     pub gamma: f32,
     pub label_smoothing: f32,
@@ -196,16 +200,21 @@ pub fn merge_resumed_flags(
             if !differs {
                 continue;
             }
-            let now_s = n.map_or("(not set)", String::as_str);
-            let saved_s = s.map_or("(not set)", String::as_str);
+            let now_s = n.map_or("not set", String::as_str);
+            // Said so that it reads whether or not the saved run set it.
+            let was = match s {
+                Some(v) => format!("the saved run's {v}"),
+                None => "the saved run did not set it".into(),
+            };
             if SAFE_TO_CHANGE.contains(&key.as_str()) {
                 out.notes.push(format!(
-                    "--{key} {now_s} (the saved run's {saved_s}): accepted, it may change on resume"
+                    "--{key} {now_s} ({was}): accepted, it may change on resume"
                 ));
             } else {
-                refused.push(format!(
-                    "--{key} {now_s} differs from the saved run's {saved_s}"
-                ));
+                refused.push(match s {
+                    Some(v) => format!("--{key} {now_s} differs from the saved run's {v}"),
+                    None => format!("--{key} {now_s}: {was}"),
+                });
             }
         } else if differs && let Some(v) = s {
             let excluded = EXCLUSIVE
@@ -357,6 +366,75 @@ fn architecture(
     Ok((name, width, stem.0))
 }
 
+/// The learning rate a run uses and why (printed).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LrChoice {
+    pub lr: f32,
+    pub warmup_epochs: usize,
+    /// "0.025 = 0.1 x 64 / 256 (...)": the value and where it came from.
+    pub why: String,
+}
+
+/// The reference recipe's rate per 256 images of batch (Goyal et al.,
+/// "Accurate, Large Minibatch SGD"; torchvision's ResNet recipe).
+pub const SGD_LR_PER_256: f32 = 0.1;
+/// AdamW's default (PyTorch's), not scaled with the batch.
+pub const ADAMW_LR: f32 = 1e-3;
+
+/// `--lr` and `--warmup-epochs` when given; else for SGD the linear
+/// scaling rule, `0.1 × batch / 256` (`batch` is the effective batch of an
+/// optimizer step, whatever its split into micro-batches or processes),
+/// warmed up over 5 epochs (at most a quarter of a run of `epochs`) when
+/// that is above 0.1, as the large-batch recipe does; for AdamW 0.001.
+pub fn default_lr(
+    optimizer: OptimizerKind,
+    batch: usize,
+    epochs: usize,
+    lr: Option<f32>,
+    warmup_epochs: Option<usize>,
+) -> LrChoice {
+    let (lr, mut why, large) = match (lr, optimizer) {
+        (Some(lr), _) => (lr, format!("{lr} (--lr)"), false),
+        (None, OptimizerKind::Sgd) => {
+            let lr = SGD_LR_PER_256 * batch as f32 / 256.0;
+            (
+                lr,
+                format!(
+                    "{lr} = {SGD_LR_PER_256} x batch {batch} / 256 (the linear scaling rule; --lr overrides)"
+                ),
+                lr > SGD_LR_PER_256,
+            )
+        }
+        (None, OptimizerKind::Adamw) => (
+            ADAMW_LR,
+            format!("{ADAMW_LR} (AdamW's default; --lr overrides)"),
+            false,
+        ),
+    };
+    let chosen = warmup_epochs.is_none() && large;
+    let warmup_epochs = match warmup_epochs {
+        Some(w) => w,
+        None if large => (epochs / 4).min(5),
+        None => 0,
+    };
+    if warmup_epochs > 0 {
+        why += &format!(
+            ", warmed up over {warmup_epochs} epoch{}{}",
+            if warmup_epochs == 1 { "" } else { "s" },
+            if chosen {
+                " (the recipe warms up a scaled lr above 0.1)"
+            } else {
+                ""
+            }
+        );
+    }
+    LrChoice {
+        lr,
+        warmup_epochs,
+        why,
+    }
+}
+
 /// The class names of a dataset's labels, if it has any (image folders).
 fn class_names(data: &Data) -> Option<Vec<String>> {
     data.class_names.clone()
@@ -402,6 +480,21 @@ pub fn train_on(
                 .into(),
         ));
     }
+    if a.steps == Some(0) {
+        return Err(Error::Usage("--steps must be at least 1".into()));
+    }
+    if a.steps.is_none() && a.epochs == 0 {
+        return Err(Error::Usage(
+            "--epochs must be at least 1 (0 would train nothing)".into(),
+        ));
+    }
+    // A --resume file that is no training state is refused before anything
+    // is planned or printed.
+    if let Some(from) = &a.resume {
+        let file = state::resume_file(from)?;
+        let meta = state::read_metadata(&file)?;
+        state::check_state_format(&file, meta.get(crate::io::STATE_FILE_KEY))?;
+    }
     let budget = parse_budget(a.memory.memory_budget.as_deref())?;
     let strategy: Strategy = a.memory.checkpoint.parse()?;
     let fixed_precision = parse_precision(&a.memory.precision)?;
@@ -439,7 +532,13 @@ pub fn train_on(
         eprintln!("warning: {w}");
     }
     let pool = Pool::on(device);
-    let data = load_data(&a.data, a.seed)?;
+    // Synthetic gratings have as many classes as the head unless --classes
+    // says otherwise.
+    let data_opts = DataOptions {
+        classes: a.data.classes.or(a.num_classes),
+        ..a.data.clone()
+    };
+    let data = load_data(&data_opts, a.seed)?;
     let (train_set, val_set, size) = (&*data.train, &*data.val, data.size);
     let init = a.init.as_ref().map(TensorFile::open).transpose()?;
     let classes = head_classes(
@@ -448,9 +547,6 @@ pub fn train_on(
         init.as_ref(),
         a.reset_head,
     )?;
-    if a.steps == Some(0) {
-        return Err(Error::Usage("--steps must be at least 1".into()));
-    }
     let (model_name, base_width, stem) = architecture(
         a.model.as_ref(),
         a.base_width,
@@ -475,7 +571,8 @@ pub fn train_on(
     model.set_recompute_bn_relu(a.memory.recompute_bn_relu);
     line!(
         out,
-        "training {} (base width {}, {:?} stem, {} parameters) on {}: {} classes, {} train / {} val images at {size}x{size}",
+        "{} {} (base width {}, {:?} stem, {} parameters) on {}: {} classes, {} train / {} val images at {size}x{size}",
+        if plan_only { "planning" } else { "training" },
         model_name,
         base_width,
         stem,
@@ -498,17 +595,21 @@ pub fn train_on(
         None => a.epochs,
     };
     let total_steps = a.steps.unwrap_or(steps_per_epoch * a.epochs);
+    let lr = default_lr(a.optimizer, a.batch_size, epochs, a.lr, a.warmup_epochs);
+    if !plan_only {
+        line!(out, "lr {}", lr.why);
+    }
     let lr_schedule = lr_schedule(
         a.schedule,
         steps_per_epoch,
         total_steps,
         a.step_epochs,
         a.gamma,
-        a.warmup_epochs,
+        lr.warmup_epochs,
     );
     let mut optimizer = a
         .optimizer
-        .build(a.lr, a.momentum, a.weight_decay, a.nesterov);
+        .build(lr.lr, a.momentum, a.weight_decay, a.nesterov);
     let resolved = resolve(&PlanRequest {
         config: &model.config,
         bn,
@@ -602,12 +703,12 @@ pub fn train_on(
         batch_size: a.batch_size,
         micro_batch: resolved.micro_batch,
         optimizer: a.optimizer,
-        lr: a.lr,
+        lr: lr.lr,
         momentum: a.momentum,
         nesterov: a.nesterov,
         weight_decay: a.weight_decay,
         schedule: a.schedule,
-        warmup_epochs: a.warmup_epochs,
+        warmup_epochs: lr.warmup_epochs,
         total_steps,
         label_smoothing: a.label_smoothing,
         clip_grad_norm: a.clip_grad_norm,
@@ -667,12 +768,26 @@ pub fn train_on(
         stem,
         num_classes: classes,
         class_names: class_names(&data),
+        input: Some(InputMeta {
+            image_size: size,
+            folder: data.eval_transform.map(|t| FolderInput {
+                eval_resize: match t.augment {
+                    crate::data::transform::Augment::CenterCrop { resize } => resize,
+                    crate::data::transform::Augment::RandomResizedCrop { .. } => size,
+                },
+                mean: t.mean,
+                std: t.std,
+            }),
+        }),
     };
     let mut flags = a.flags.clone();
     flags.insert("model".into(), model_name.clone());
     flags.insert("base-width".into(), base_width.to_string());
     flags.insert("stem".into(), crate::io::stem_flag(stem).to_string());
     flags.insert("num-classes".into(), classes.to_string());
+    // The rate the run trains at, default or not: a resumed run keeps it.
+    flags.insert("lr".into(), lr.lr.to_string());
+    flags.insert("warmup-epochs".into(), lr.warmup_epochs.to_string());
     let mut state_meta = meta.to_metadata();
     state_meta.insert(
         RUN_CONFIG_KEY.into(),
@@ -702,7 +817,7 @@ pub fn train_on(
         seed: a.seed,
         shuffle: a.shuffle,
         label_smoothing: a.label_smoothing,
-        base_lr: a.lr,
+        base_lr: lr.lr,
         schedule: lr_schedule,
         clip_grad_norm: a.clip_grad_norm,
         eval_every: a.eval_every,
@@ -868,14 +983,45 @@ pub fn eval(a: &EvalConfig, out: &mut dyn Write) -> Result<()> {
         return Err(Error::Usage("--batch-size must be at least 1".into()));
     }
     let pool = Pool::on(pick_device(&a.device, true, false)?);
-    let data = load_data(&a.data, a.seed)?;
-    let (val_set, size) = (&*data.val, data.size);
-    if val_set.is_empty() {
-        return Err(Error::Usage(
-            "no validation images: pass --val-data, or a --val-fraction above 0".into(),
-        ));
-    }
     let file = TensorFile::open(&a.weights)?;
+    // The input the weights were trained on, unless the flags say another.
+    let input = ModelMeta::input_of_file(&file);
+    let reading = input
+        .as_ref()
+        .and_then(|i| i.folder)
+        .map(|f| FolderReading {
+            eval_resize: f.eval_resize,
+            mean: f.mean,
+            std: f.std,
+        });
+    let data = load_eval_data(
+        &a.data,
+        a.seed,
+        input.as_ref().map(|i| i.image_size),
+        reading,
+    )?;
+    let (val_set, size) = (&*data.set, data.size);
+    if val_set.is_empty() {
+        return Err(Error::Usage(format!(
+            "no images to evaluate in {}{}",
+            data.what,
+            if a.data.data == "digits" {
+                " (pass --val-fraction above 0, or an image folder as --data)"
+            } else {
+                ""
+            }
+        )));
+    }
+    let at = match (a.data.image_size, &input) {
+        (None, Some(_)) => format!(" at {size}x{size} (the size it was trained at)"),
+        _ => format!(" at {size}x{size}"),
+    };
+    line!(
+        out,
+        "evaluating {} on {}{at}",
+        a.weights.display(),
+        data.what
+    );
     let (name, base_width, stem) = architecture(
         a.model.as_ref(),
         a.base_width,
@@ -897,7 +1043,7 @@ pub fn eval(a: &EvalConfig, out: &mut dyn Write) -> Result<()> {
     let mapped;
     let val_set: &dyn Dataset = match (
         ModelMeta::of_file(&file).and_then(|m| m.class_names),
-        class_names(&data),
+        data.class_names.clone(),
     ) {
         (Some(model_names), Some(folder)) if model_names != folder => {
             mapped = Relabeled {

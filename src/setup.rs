@@ -86,7 +86,7 @@ pub fn head_classes(
     let classes = num_classes.or(init_rows).unwrap_or(dataset_classes);
     if classes < dataset_classes {
         return Err(Error::Usage(format!(
-            "{} classes are too few: the dataset has labels 0..{}",
+            "{} classes are too few: the dataset has {dataset_classes} classes (labels 0 to {})",
             classes,
             dataset_classes - 1
         )));

@@ -2,7 +2,7 @@
 """Plot a memfit --metrics-jsonl or --metrics-csv file (told apart by the
 .csv ending): mean train loss per epoch, val loss and val top-1 per epoch, as
 an SVG (standard library only). Convert to PNG with any SVG renderer, e.g.
-`convert curve.svg curve.png` (ImageMagick).
+`rsvg-convert -o curve.png curve.svg` (librsvg, as docs/usage.md says).
 
 usage: tools/plot_metrics.py METRICS.jsonl|METRICS.csv OUT.svg [TITLE]
 """
@@ -47,12 +47,30 @@ def load(path):
     for r in rows(path):
         if "val_top1" in r:
             val[r["epoch"]] = (r["val_loss"], r["val_top1"])
-        elif isinstance(r.get("loss"), float) and math.isfinite(r["loss"]):
+        elif isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"]):
             train[r["epoch"]].append(r["loss"])
     epochs = sorted(set(train) | set(val))
     if not epochs:
         sys.exit(f"{path}: no metrics lines")
     return epochs, {e: sum(v) / len(v) for e, v in train.items()}, val
+
+
+def tick(v):
+    """An axis label short enough to fit whatever the loss's magnitude:
+    0.42, 12.3, 1234, 1.2e+05."""
+    if v == 0:
+        return "0"
+    if abs(v) < 10:
+        return f"{v:.2f}"
+    if abs(v) < 100:
+        return f"{v:.1f}"
+    if abs(v) < 10000:
+        return f"{v:.0f}"
+    return f"{v:.1e}"
+
+
+# Width of a character of the 13-pixel sans-serif labels, generously.
+CHAR_W = 8
 
 
 def main():
@@ -61,12 +79,16 @@ def main():
     src, out = sys.argv[1], sys.argv[2]
     title = sys.argv[3] if len(sys.argv) > 3 else src
     epochs, train, val = load(src)
-    W, H, L, R, T, B = 900, 420, 70, 70, 50, 60
+    losses = [v for v in list(train.values()) + [v[0] for v in val.values()] if math.isfinite(v)]
+    lmax = max(losses, default=1.0) * 1.1 or 1.0
+    labels = [tick(lmax * i / 5) for i in range(6)]
+    # The left margin holds the widest loss label and the rotated axis
+    # title beside it (at x = 18), so no label is clipped at the edge.
+    W, H, R, T, B = 900, 420, 70, 50, 60
+    L = max(70, 30 + 8 + CHAR_W * max(map(len, labels)))
     pw, ph = W - L - R, H - T - B
     e0, e1 = min(epochs), max(epochs)
     xs = lambda e: L + (e - e0) / max(e1 - e0, 1) * pw
-    losses = list(train.values()) + [v[0] for v in val.values()]
-    lmax = max(losses) * 1.1
     yl = lambda v: T + ph - v / lmax * ph
     accs = [v[1] for v in val.values()]
     amin = min(0.8, min(accs) - 0.02) if accs else 0.8
@@ -81,7 +103,7 @@ def main():
     s.append(f'<text x="{L+pw/2}" y="{H-15}" text-anchor="middle">epoch</text>')
     for i in range(6):
         v = lmax * i / 5
-        s.append(f'<text x="{L-8}" y="{yl(v)+4}" text-anchor="end">{v:.2f}</text>')
+        s.append(f'<text x="{L-8}" y="{yl(v)+4}" text-anchor="end">{labels[i]}</text>')
         a = amin + (1 - amin) * i / 5
         s.append(f'<text x="{L+pw+8}" y="{ya(a)+4}">{100*a:.0f}%</text>')
     s.append(f'<text x="18" y="{T+ph/2}" transform="rotate(-90 18 {T+ph/2})" text-anchor="middle">loss</text>')
@@ -94,8 +116,9 @@ def main():
             for x, y in points:
                 s.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{colour}"/>')
 
-    line([(xs(e), yl(train[e])) for e in epochs if e in train], "#1f77b4")
-    line([(xs(e), yl(val[e][0])) for e in epochs if e in val], "#ff7f0e", 'stroke-dasharray="6,4"')
+    line([(xs(e), yl(train[e])) for e in epochs if e in train and math.isfinite(train[e])], "#1f77b4")
+    line([(xs(e), yl(val[e][0])) for e in epochs if e in val and math.isfinite(val[e][0])], "#ff7f0e",
+         'stroke-dasharray="6,4"')
     line([(xs(e), ya(val[e][1])) for e in epochs if e in val], "#2ca02c")
     for i, (name, colour) in enumerate([("train loss (epoch mean)", "#1f77b4"),
                                         ("val loss", "#ff7f0e"), ("val top-1 (right axis)", "#2ca02c")]):

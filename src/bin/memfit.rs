@@ -446,9 +446,10 @@ struct DataArgs {
     /// the ImageNet mean and std.
     #[arg(long)]
     no_augment: bool,
-    /// Classes of the synthetic gratings.
-    #[arg(long, default_value_t = 6)]
-    classes: usize,
+    /// Classes of the synthetic gratings. Default: --num-classes when given,
+    /// else 6.
+    #[arg(long)]
+    classes: Option<usize>,
     /// Images of the synthetic training set.
     #[arg(long, default_value_t = 3072)]
     train_size: usize,
@@ -505,8 +506,12 @@ struct TrainArgs {
     #[arg(long, value_enum, default_value = "sgd")]
     optimizer: OptimizerKind,
     /// Peak learning rate (after --warmup-epochs; --schedule decays it).
-    #[arg(long, default_value_t = 0.05)]
-    lr: f32,
+    /// Default for SGD: the linear scaling rule of the reference ImageNet
+    /// recipe, 0.1 per 256 images of --batch-size (the effective batch,
+    /// whatever the micro-batch and the processes); for AdamW 0.001
+    /// (PyTorch's default).
+    #[arg(long)]
+    lr: Option<f32>,
     /// SGD momentum (AdamW does not use it: its betas are 0.9, 0.999).
     #[arg(long, default_value_t = 0.9)]
     momentum: f32,
@@ -520,9 +525,12 @@ struct TrainArgs {
     /// --step-epochs, --gamma) or cosine (to 0 at the last step).
     #[arg(long, value_enum, default_value = "cosine")]
     schedule: ScheduleKind,
-    /// Linear warmup before the schedule, in epochs.
-    #[arg(long, default_value_t = 0)]
-    warmup_epochs: usize,
+    /// Linear warmup before the schedule, in epochs. Default: none, except
+    /// when the default SGD LR is above 0.1 (batches above 256), which warms
+    /// up over 5 epochs (at most a quarter of the run), as the large-batch
+    /// recipe does.
+    #[arg(long)]
+    warmup_epochs: Option<usize>,
     /// Step schedule: multiply the LR by --gamma every this many epochs.
     #[arg(long, default_value_t = 30)]
     step_epochs: usize,
@@ -661,10 +669,52 @@ fn main() {
                 c.abort(1)
             }
             None => {
-                eprintln!("error: {e:#}");
+                match e.downcast_ref::<memfit::Error>() {
+                    // Not a failure to report but a stop asked for: say
+                    // where the state went and the command that continues.
+                    Some(memfit::Error::Interrupted {
+                        step,
+                        saved_state: Some(p),
+                    }) => eprintln!(
+                        "interrupted after optimizer step {step}; the run's state is saved in {p}\nto resume: {}",
+                        resume_command(std::env::args().collect(), p)
+                    ),
+                    _ => eprintln!("error: {e:#}"),
+                }
                 std::process::exit(1);
             }
         }
+    }
+}
+
+/// The command line `args` (argv) with `--resume STATE` in place of any
+/// `--resume` it had, quoted for a POSIX shell.
+fn resume_command(args: Vec<String>, state: &str) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut it = args.into_iter();
+    while let Some(a) = it.next() {
+        if a == "--resume" {
+            it.next();
+        } else if !a.starts_with("--resume=") {
+            out.push(a);
+        }
+    }
+    out.extend(["--resume".to_string(), state.to_string()]);
+    out.iter()
+        .map(|a| shell_quote(a))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// `a` as one word for a POSIX shell.
+fn shell_quote(a: &str) -> String {
+    let plain = !a.is_empty()
+        && a.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c));
+    if plain {
+        a.to_string()
+    } else {
+        format!("'{}'", a.replace('\'', "'\\''"))
     }
 }
 

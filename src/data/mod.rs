@@ -41,7 +41,7 @@ pub use idx::{
     IdxImages, idx_to_dataset, parse_idx_images, parse_idx_labels, read_idx_images, read_idx_labels,
 };
 pub use loader::{Batch, Batches, Dataset, ImageFolderDataset, Loader, Part};
-pub use registry::{Data, DataOptions, load_data};
+pub use registry::{Data, DataOptions, EvalData, FolderReading, load_data, load_eval_data};
 pub use resize::{Window, resize_bilinear, resize_crop_u8};
 pub use transform::{
     Augment, IMAGENET_MEAN, IMAGENET_STD, Transform, center_crop_window, eval_resize,

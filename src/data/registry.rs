@@ -25,8 +25,8 @@ pub struct DataOptions {
     pub workers: usize,
     /// Image folders: resize and centre-crop only, no random crop or flip.
     pub no_augment: bool,
-    /// Classes of the synthetic gratings.
-    pub classes: usize,
+    /// Classes of the synthetic gratings (None: [`SYNTHETIC_CLASSES`]).
+    pub classes: Option<usize>,
     /// Images of the synthetic training set.
     pub train_size: usize,
     /// Images of the synthetic validation set.
@@ -35,6 +35,10 @@ pub struct DataOptions {
     /// folder without `val_data`.
     pub val_fraction: f32,
 }
+
+/// Classes of the synthetic gratings when neither `--classes` nor
+/// `--num-classes` says.
+pub const SYNTHETIC_CLASSES: usize = 6;
 
 /// The datasets `train` and `eval` use.
 pub struct Data {
@@ -47,6 +51,120 @@ pub struct Data {
     /// The class of each label, for image folders (their class folders'
     /// names); None for the built-in sets.
     pub class_names: Option<Vec<String>>,
+    /// Image folders: the transform of the validation images (what a
+    /// model trained here must be evaluated with); None for the built-in
+    /// sets, which are stored normalised.
+    pub eval_transform: Option<Transform>,
+}
+
+/// The set `memfit eval` scores and how it reads it.
+pub struct EvalData {
+    pub set: Box<dyn Dataset>,
+    /// Side of the square images it yields.
+    pub size: usize,
+    pub workers: usize,
+    pub class_names: Option<Vec<String>>,
+    /// What it is, for the report: "the whole folder test/" or "digits'
+    /// validation split".
+    pub what: String,
+}
+
+/// How an evaluated image folder is read when the weights say (see
+/// `io::FolderInput`): the shorter side before the centre crop, and the
+/// per-channel normalisation.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FolderReading {
+    pub eval_resize: usize,
+    pub mean: [f32; 3],
+    pub std: [f32; 3],
+}
+
+/// The set `memfit eval` scores: an image folder (`--val-data`, as in the
+/// flags of the `train` run, else a folder `--data`) whole, since the hold-out is a notion of `train`; a
+/// built-in set's validation (digits) or test (fashion-mnist) split.
+/// `image_size` is the side to use when the flag is not given (the
+/// weights' own), `reading` how the weights say folders were read.
+pub fn load_eval_data(
+    a: &DataOptions,
+    seed: u64,
+    image_size: Option<usize>,
+    reading: Option<FolderReading>,
+) -> Result<EvalData> {
+    let builtin = ["digits", "fashion-mnist", "synthetic"].contains(&a.data.as_str());
+    let folder = match (&a.val_data, builtin) {
+        (Some(v), true) => v.clone(),
+        (Some(v), false) => {
+            // train's flags reused: --val-data is the set to score.
+            if v.as_path() != std::path::Path::new(&a.data) {
+                eprintln!(
+                    "note: eval scores --val-data {}; --data {} is not used",
+                    v.display(),
+                    a.data
+                );
+            }
+            v.clone()
+        }
+        (None, false) => PathBuf::from(&a.data),
+        (None, true) => {
+            let opts = DataOptions {
+                image_size: a.image_size.or(image_size),
+                ..a.clone()
+            };
+            let data = load_data(&opts, seed)?;
+            let what = match a.data.as_str() {
+                "fashion-mnist" => "the fashion-mnist test set".to_string(),
+                d => format!("the {d} validation split"),
+            };
+            return Ok(EvalData {
+                set: data.val,
+                size: data.size,
+                workers: data.workers,
+                class_names: data.class_names,
+                what,
+            });
+        }
+    };
+    if a.image_size == Some(0) {
+        return Err(Error::Usage("--image-size must be at least 1".into()));
+    }
+    if !folder.is_dir() {
+        return Err(Error::Usage(format!(
+            "{}: no such directory (an image folder holds one sub-folder per class)",
+            folder.display()
+        )));
+    }
+    let size = a.image_size.or(image_size).unwrap_or(224);
+    let mut transform = if a.no_augment {
+        Transform::no_augment(size)
+    } else {
+        Transform::eval(size)
+    };
+    if let Some(r) = reading {
+        transform.mean = r.mean;
+        transform.std = r.std;
+        // The weights' crop ratio at the size evaluated (their own resize
+        // when the size is theirs), unless --no-augment asks for none.
+        if !a.no_augment {
+            let trained = image_size.unwrap_or(size).max(1);
+            transform.augment = super::transform::Augment::CenterCrop {
+                resize: r.eval_resize * size / trained,
+            };
+        }
+    }
+    let scanned = ImageFolder::scan(&folder)?;
+    let class_names = Some(scanned.classes.clone());
+    let what = format!("the whole folder {}", folder.display());
+    Ok(EvalData {
+        set: Box::new(ImageFolderDataset {
+            folder: scanned,
+            transform,
+            seed,
+        }),
+        size,
+        workers: a.workers,
+        class_names,
+        what,
+    })
 }
 
 /// (train, validation) sets at the requested image size.
@@ -84,7 +202,8 @@ pub fn load_data(a: &DataOptions, seed: u64) -> Result<Data> {
             (t, v, 28)
         }
         _ => {
-            if a.classes < 2 {
+            let classes = a.classes.unwrap_or(SYNTHETIC_CLASSES);
+            if classes < 2 {
                 return Err(Error::Usage("--classes must be at least 2".into()));
             }
             // Made per index when the loader asks (the same images as
@@ -93,13 +212,13 @@ pub fn load_data(a: &DataOptions, seed: u64) -> Result<Data> {
             let train = SyntheticGratings::on_demand(
                 a.train_size,
                 size,
-                a.classes,
+                classes,
                 seed.wrapping_mul(2).wrapping_add(1),
             );
             let val = SyntheticGratings::on_demand(
                 a.val_size,
                 size,
-                a.classes,
+                classes,
                 seed.wrapping_mul(2).wrapping_add(2),
             );
             return Ok(Data {
@@ -108,6 +227,7 @@ pub fn load_data(a: &DataOptions, seed: u64) -> Result<Data> {
                 size,
                 workers: 0,
                 class_names: None,
+                eval_transform: None,
             });
         }
     };
@@ -119,6 +239,7 @@ pub fn load_data(a: &DataOptions, seed: u64) -> Result<Data> {
         size,
         workers: 0,
         class_names: None,
+        eval_transform: None,
     })
 }
 
@@ -181,5 +302,6 @@ fn load_folders(a: &DataOptions, seed: u64) -> Result<Data> {
         }),
         size,
         workers: a.workers,
+        eval_transform: Some(val_tf),
     })
 }

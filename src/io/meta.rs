@@ -4,7 +4,7 @@
 //! without them (torchvision's, older memfit's), a guess from the tensors'
 //! names and shapes for error hints.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::io::TensorFile;
 use crate::nn::StemKind;
@@ -15,6 +15,13 @@ pub const BASE_WIDTH_KEY: &str = "memfit_base_width";
 pub const STEM_KEY: &str = "memfit_stem";
 pub const NUM_CLASSES_KEY: &str = "memfit_num_classes";
 pub const CLASS_NAMES_KEY: &str = "memfit_class_names";
+/// The input the model was trained on: its side, and for image folders the
+/// evaluation transform (shorter side before the centre crop, per-channel
+/// mean and std), so `eval` feeds it what it was trained on.
+pub const IMAGE_SIZE_KEY: &str = "memfit_image_size";
+pub const EVAL_RESIZE_KEY: &str = "memfit_eval_resize";
+pub const MEAN_KEY: &str = "memfit_normalize_mean";
+pub const STD_KEY: &str = "memfit_normalize_std";
 
 /// The architecture of a weights file and the names of its classes.
 #[derive(Clone, Debug, PartialEq)]
@@ -27,6 +34,56 @@ pub struct ModelMeta {
     /// The class of each output, in order (an image folder's class
     /// folders); None for the built-in sets, whose classes are numbers.
     pub class_names: Option<Vec<String>>,
+    /// The input it was trained on (None in files without it).
+    pub input: Option<InputMeta>,
+}
+
+/// The network input a model was trained on.
+#[derive(Clone, Debug, PartialEq)]
+pub struct InputMeta {
+    /// Side of the square input.
+    pub image_size: usize,
+    /// Image folders' evaluation transform (None for the built-in sets,
+    /// which are stored normalised): the shorter side images are resized
+    /// to before the centre crop, and the per-channel mean and std.
+    pub folder: Option<FolderInput>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FolderInput {
+    pub eval_resize: usize,
+    pub mean: [f32; 3],
+    pub std: [f32; 3],
+}
+
+fn floats3(s: &str) -> Option<[f32; 3]> {
+    let v: Vec<f32> = serde_json::from_str(s).ok()?;
+    v.try_into().ok()
+}
+
+impl InputMeta {
+    fn insert_into(&self, m: &mut HashMap<String, String>) {
+        m.insert(IMAGE_SIZE_KEY.into(), self.image_size.to_string());
+        if let Some(f) = &self.folder {
+            m.insert(EVAL_RESIZE_KEY.into(), f.eval_resize.to_string());
+            // Rust's shortest round-trip form: "[0.485,0.456,0.406]".
+            let list = |v: [f32; 3]| format!("[{},{},{}]", v[0], v[1], v[2]);
+            m.insert(MEAN_KEY.into(), list(f.mean));
+            m.insert(STD_KEY.into(), list(f.std));
+        }
+    }
+
+    fn of_metadata(m: &BTreeMap<String, String>) -> Option<InputMeta> {
+        let image_size = m.get(IMAGE_SIZE_KEY)?.parse().ok()?;
+        let folder = (|| {
+            Some(FolderInput {
+                eval_resize: m.get(EVAL_RESIZE_KEY)?.parse().ok()?,
+                mean: floats3(m.get(MEAN_KEY)?)?,
+                std: floats3(m.get(STD_KEY)?)?,
+            })
+        })();
+        Some(InputMeta { image_size, folder })
+    }
 }
 
 /// `imagenet` or `small`, as the `--stem` flag spells them.
@@ -60,7 +117,15 @@ impl ModelMeta {
                 serde_json::Value::from(names.clone()).to_string(),
             );
         }
+        if let Some(input) = &self.input {
+            input.insert_into(&mut m);
+        }
         m
+    }
+
+    /// The input `file` says its model was trained on, if it says.
+    pub fn input_of_file(file: &TensorFile) -> Option<InputMeta> {
+        InputMeta::of_metadata(&file.metadata)
     }
 
     /// The metadata of `file`, if it carries memfit's (all four of model,
@@ -80,6 +145,7 @@ impl ModelMeta {
             stem: parse_stem(m.get(STEM_KEY)?)?,
             num_classes: m.get(NUM_CLASSES_KEY)?.parse().ok()?,
             class_names,
+            input: InputMeta::of_metadata(m),
         })
     }
 }
@@ -135,5 +201,6 @@ pub fn guess_architecture(file: &TensorFile) -> Option<ModelMeta> {
         stem,
         num_classes,
         class_names: None,
+        input: None,
     })
 }

@@ -17,7 +17,8 @@ pub mod pth;
 mod save;
 
 pub use load::{STATE_EXTRAS_PREFIX, STATE_FILE_KEY, fc_rows, load_state_dict, load_torchvision};
-pub use meta::{ModelMeta, guess_architecture, stem_flag};
+pub use meta::{FolderInput, InputMeta, ModelMeta, guess_architecture, stem_flag};
+pub(crate) use save::write_atomic;
 pub use save::{save_state_dict, save_state_dict_with};
 
 use std::collections::BTreeMap;

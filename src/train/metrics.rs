@@ -4,6 +4,11 @@
 //! The CSV file is one table: a header when the file is new, then a row per
 //! step with the `val_*` columns empty, and a row per evaluation with only
 //! `step`, `epoch` and the `val_*` columns filled.
+//!
+//! Every row is flushed as it is written, so a killed run loses none; a
+//! resumed run first drops the rows after the step it resumes from (the
+//! killed run wrote them after its last checkpoint, and they are about to
+//! be trained again), so the file holds each step once.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -19,6 +24,8 @@ use super::step::StepReport;
 pub struct MetricsWriter {
     out: Option<(BufWriter<File>, PathBuf)>,
     csv: Option<(BufWriter<File>, PathBuf)>,
+    /// The step a resumed run continues after.
+    resumed: Option<usize>,
 }
 
 /// Opens `p` for appending (created when missing); true if it was empty.
@@ -41,19 +48,76 @@ fn csv_header() -> String {
     h + ",val_loss,val_top1,val_top5"
 }
 
+/// The optimizer step of a metrics line: JSONL's `"step"`, CSV's first
+/// column. None for a line that is neither (the CSV header, a line cut
+/// short by a kill).
+fn line_step(line: &str, csv: bool) -> Option<usize> {
+    if csv {
+        let (first, rest) = line.split_once(',')?;
+        // A whole row has every column: a row cut short is dropped.
+        if rest.split(',').count() + 1 != csv_header().split(',').count() {
+            return None;
+        }
+        first.parse().ok()
+    } else {
+        let v: serde_json::Value = serde_json::from_str(line).ok()?;
+        v.get("step")?.as_u64().map(|s| s as usize)
+    }
+}
+
+/// Keeps the lines of the metrics file `p` up to optimizer step `last` (and
+/// a CSV's header), dropping later ones and any line cut short: what a run
+/// resumed after step `last` finds of the run that was killed. Rewritten
+/// through a temporary file, so a kill now leaves the old file or the new.
+fn keep_through(p: &Path, last: usize, csv: bool) -> Result<()> {
+    let text = match std::fs::read_to_string(p) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(io_error(p, e)),
+    };
+    let mut kept = String::with_capacity(text.len());
+    for (i, line) in text.lines().enumerate() {
+        let header = csv && i == 0 && line == csv_header();
+        if header || line_step(line, csv).is_some_and(|s| s <= last) {
+            kept += line;
+            kept.push('\n');
+        }
+    }
+    if kept == text {
+        return Ok(());
+    }
+    crate::io::write_atomic(p, |f| {
+        f.write_all(kept.as_bytes()).map_err(|e| e.to_string())
+    })
+}
+
 impl MetricsWriter {
-    /// Opens `path` for appending (created when missing).
-    pub fn open(path: Option<&Path>) -> Result<Self> {
+    /// Opens `path` for appending (created when missing); with `resumed`
+    /// (the step a resumed run continues after), the rows after it are
+    /// dropped first.
+    pub fn open(path: Option<&Path>, resumed: Option<usize>) -> Result<Self> {
         let out = match path {
-            Some(p) => Some((open_append(p)?.0, p.to_path_buf())),
+            Some(p) => {
+                if let Some(last) = resumed {
+                    keep_through(p, last, false)?;
+                }
+                Some((open_append(p)?.0, p.to_path_buf()))
+            }
             None => None,
         };
-        Ok(MetricsWriter { out, csv: None })
+        Ok(MetricsWriter {
+            out,
+            csv: None,
+            resumed,
+        })
     }
 
     /// Also appends CSV rows to `path` (the header first if it is empty).
     pub fn with_csv(mut self, path: Option<&Path>) -> Result<Self> {
         if let Some(p) = path {
+            if let Some(last) = self.resumed {
+                keep_through(p, last, true)?;
+            }
             let (mut w, empty) = open_append(p)?;
             if empty {
                 writeln!(w, "{}", csv_header()).map_err(|e| io_error(p, e))?;
@@ -71,14 +135,18 @@ impl MetricsWriter {
 
     fn write_csv(&mut self, row: std::fmt::Arguments<'_>) -> Result<()> {
         if let Some((w, p)) = self.csv.as_mut() {
-            writeln!(w, "{row}").map_err(|e| io_error(p, e))?;
+            writeln!(w, "{row}")
+                .and_then(|()| w.flush())
+                .map_err(|e| io_error(p, e))?;
         }
         Ok(())
     }
 
     fn write(&mut self, line: std::fmt::Arguments<'_>) -> Result<()> {
         if let Some((w, p)) = self.out.as_mut() {
-            writeln!(w, "{line}").map_err(|e| io_error(p, e))?;
+            writeln!(w, "{line}")
+                .and_then(|()| w.flush())
+                .map_err(|e| io_error(p, e))?;
         }
         Ok(())
     }

@@ -355,7 +355,8 @@ fn fit_in<'scope, 'env>(
     if train.is_empty() {
         return Err(Error::invalid("train", "the training set is empty"));
     }
-    let mut metrics = MetricsWriter::open(opts.metrics_jsonl.as_deref().filter(|_| root))?
+    let resumed = (opts.resume_step > 0).then_some(opts.resume_step);
+    let mut metrics = MetricsWriter::open(opts.metrics_jsonl.as_deref().filter(|_| root), resumed)?
         .with_csv(opts.metrics_csv.as_deref().filter(|_| root))?;
     let terminal = std::io::stderr().is_terminal();
     let mut log = LogLines {

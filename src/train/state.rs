@@ -292,6 +292,25 @@ pub fn check_save_dir_owner(dir: &Path, run_id: Option<&str>, legacy_ok: bool) -
 
 /// The state file `--resume FROM` names: FROM itself, or the newest file
 /// in the directory FROM, which must hold the files of one run only.
+/// Refuses a `--resume` file that is no training state of this format
+/// (`format`: its `memfit_checkpoint` metadata), naming the file.
+pub fn check_state_format(path: &Path, format: Option<&String>) -> Result<()> {
+    let bad = |reason: String| Error::BadWeights {
+        path: path.display().to_string(),
+        reason,
+    };
+    match format.map(String::as_str) {
+        Some(FORMAT_VERSION) => Ok(()),
+        Some(v) => Err(bad(format!(
+            "checkpoint format {v}, this memfit reads format {FORMAT_VERSION}"
+        ))),
+        None => Err(bad(
+            "is a weights file, not a training checkpoint (use --init to start from weights)"
+                .into(),
+        )),
+    }
+}
+
 pub fn resume_file(from: &Path) -> Result<PathBuf> {
     if !from.is_dir() {
         return Ok(from.to_path_buf());
@@ -555,20 +574,7 @@ pub fn load_state_ignoring(
         reason,
     };
     let meta = |k: &str| file.metadata.get(k).cloned();
-    match meta("memfit_checkpoint").as_deref() {
-        Some(FORMAT_VERSION) => {}
-        Some(v) => {
-            return Err(bad(format!(
-                "checkpoint format {v}, this memfit reads format {FORMAT_VERSION}"
-            )));
-        }
-        None => {
-            return Err(bad(
-                "is a weights file, not a training checkpoint (use --init to start from weights)"
-                    .into(),
-            ));
-        }
-    }
+    check_state_format(&path, file.metadata.get(crate::io::STATE_FILE_KEY))?;
     let saved = meta("fingerprint").unwrap_or_default();
     let diff: Vec<String> = fingerprint_diff(&saved, fingerprint)
         .into_iter()
