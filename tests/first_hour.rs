@@ -20,6 +20,28 @@ fn fixture(rel: &str) -> PathBuf {
         .join(rel)
 }
 
+/// A tiny synthetic run's data and model flags (16 px gratings, width 8).
+const SMALL: [&str; 10] = [
+    "--data",
+    "synthetic",
+    "--train-size",
+    "32",
+    "--val-size",
+    "8",
+    "--image-size",
+    "16",
+    "--base-width",
+    "8",
+];
+
+/// `sub` with [`SMALL`] and `extra`: (exit code, stdout, stderr).
+fn small(sub: &str, extra: &[&str]) -> (i32, String, String) {
+    let mut args = vec![sub];
+    args.extend_from_slice(&SMALL);
+    args.extend_from_slice(extra);
+    memfit(&args)
+}
+
 /// The optimizer steps of the step rows of a JSONL metrics file, in order.
 fn jsonl_steps(text: &str) -> (Vec<u64>, usize) {
     let (mut steps, mut evals) = (Vec::new(), 0);
@@ -209,25 +231,9 @@ fn the_default_lr_follows_the_linear_scaling_rule_and_says_so() {
     let t = TempDir::new("default-lr");
     let m = t.0.join("m.jsonl");
     let run = |extra: &[&str]| {
-        let mut args = vec![
-            "train",
-            "--data",
-            "synthetic",
-            "--train-size",
-            "32",
-            "--val-size",
-            "8",
-            "--image-size",
-            "16",
-            "--base-width",
-            "8",
-            "--steps",
-            "1",
-            "--schedule",
-            "constant",
-        ];
+        let mut args = vec!["--steps", "1", "--schedule", "constant"];
         args.extend_from_slice(extra);
-        let (code, out, err) = memfit(&args);
+        let (code, out, err) = small("train", &args);
         assert_eq!(code, 0, "{args:?}: stderr:\n{err}");
         out
     };
@@ -283,25 +289,10 @@ fn a_scaled_lr_above_a_tenth_warms_up() {
 /// too small for a real dataset names the dataset's class count.
 #[test]
 fn synthetic_labels_follow_num_classes() {
-    let (code, out, err) = memfit(&[
+    let (code, out, err) = small(
         "train",
-        "--data",
-        "synthetic",
-        "--num-classes",
-        "5",
-        "--train-size",
-        "16",
-        "--val-size",
-        "8",
-        "--image-size",
-        "16",
-        "--base-width",
-        "8",
-        "--batch-size",
-        "8",
-        "--steps",
-        "1",
-    ]);
+        &["--num-classes", "5", "--batch-size", "8", "--steps", "1"],
+    );
     assert_eq!(code, 0, "stderr:\n{err}");
     assert!(out.contains(": 5 classes,"), "{out}");
     let (code, _, err) = memfit(&["plan", "--num-classes", "5"]);
@@ -318,25 +309,10 @@ fn synthetic_labels_follow_num_classes() {
 fn refusals_come_before_any_report_and_plan_says_it_plans() {
     let t = TempDir::new("resume-weights");
     let w = t.0.join("w.safetensors");
-    let small = [
-        "--data",
-        "synthetic",
-        "--train-size",
-        "16",
-        "--val-size",
-        "8",
-        "--image-size",
-        "16",
-        "--base-width",
-        "8",
-        "--batch-size",
-        "8",
-    ];
     let with = |sub: &str, extra: &[&str]| {
-        let mut args = vec![sub];
-        args.extend_from_slice(&small);
+        let mut args = vec!["--batch-size", "8"];
         args.extend_from_slice(extra);
-        memfit(&args)
+        small(sub, &args)
     };
     let (code, _, err) = with(
         "train",
