@@ -422,7 +422,7 @@ fn auto_plans_for_a_gpu_fit_their_budget_by_simulation() {
 #[test]
 fn plan_for_a_gpu_this_machine_lacks() {
     let run = |sub: &str| {
-        std::process::Command::new(env!("CARGO_BIN_EXE_memfit"))
+        std::process::Command::new(common::memfit_bin())
             .args([
                 sub,
                 "--device",
