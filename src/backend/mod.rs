@@ -53,13 +53,15 @@ pub enum ConvPass {
 
 /// The workspace a convolution needs on `device`: (element type, elements).
 /// The layers allocate it from the pool, so it is counted like any tensor;
-/// a meta device answers as its target would.
-pub fn conv2d_workspace(device: Device, g: &ConvGeom, pass: ConvPass) -> (DType, usize) {
+/// a meta device answers as its target would. On CUDA it is cuDNN's exact
+/// answer for the algorithm chosen for the geometry, and an error when a
+/// GPU that is here cannot size it.
+pub fn conv2d_workspace(device: Device, g: &ConvGeom, pass: ConvPass) -> Result<(DType, usize)> {
     match device.target() {
-        crate::device::Target::Cpu => match pass {
+        crate::device::Target::Cpu => Ok(match pass {
             ConvPass::Forward => (DType::F32, g.forward_workspace_len()),
             ConvPass::Backward => (DType::F32, g.backward_workspace_len()),
-        },
+        }),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
         crate::device::Target::Cuda(n) => cuda::ops::conv2d_workspace(n, g, pass),
     }
