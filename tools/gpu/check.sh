@@ -236,6 +236,8 @@ test_step() {
   # shellcheck disable=SC2097,SC2098
   CUDA_LAUNCH_BLOCKING=1 TEST=1 step "$name" "$limit" "$bin" "$@"
   [ "$LAST_RC" = 0 ] || [ "$LAST_RC" = skipped ] && return
+  # A step that ran one test alone already has nothing to re-run.
+  [[ " $* " == *" --exact "* ]] && return
   local rc=$LAST_RC n=0 t
   while read -r t; do
     [ -z "$t" ] && continue
@@ -252,7 +254,7 @@ test_step() {
     else
       local why; why=$(grep -m 1 -A 1 "panicked at" "$log" | tail -n 1)
       [ -z "$why" ] && why=$(grep -v '^[[:space:]]*$' "$log" | tail -n 1)
-      echo "    alone: $t FAILED rc=$r: $(echo "$why" | cut -c1-200)" >> "$SUMMARY"
+      echo "    alone: $t FAILED rc=$r: $(echo "$why" | cut -c1-150)" >> "$SUMMARY"
     fi
   done < <(rerun_names "$LOGS/$name.log")
   LAST_RC=$rc
