@@ -68,6 +68,15 @@ pub enum Error {
     /// device memory, a launch error, a cuDNN or cuBLAS status).
     #[error("CUDA: {op} failed: {reason}")]
     Cuda { op: &'static str, reason: String },
+    /// cuDNN refused the pinned algorithm of a convolution pass and offered
+    /// no deterministic one whose workspace it would size: the geometry
+    /// (shape, stride, padding, type, layout, math) and why each failed.
+    #[error("cuDNN has no usable algorithm for convolution {geometry} ({pass}): {reason}")]
+    ConvAlgorithm {
+        geometry: String,
+        pass: &'static str,
+        reason: String,
+    },
     /// NVRTC rejected a kernel source; `log` is its compiler log.
     #[error("NVRTC could not compile kernel source {kernel} for {arch}:\n{log}")]
     KernelCompile {

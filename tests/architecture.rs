@@ -173,3 +173,57 @@ fn the_checks_see_what_they_check() {
     let nn = m["nn"].iter().map(|f| code(f)).collect::<String>();
     assert!(crate_refs(&nn).iter().any(|r| r == "backend"));
 }
+
+/// `bench step --profile` on a GPU shows the host time per op family, so
+/// every CUDA arm of the backend boundary runs inside a timed region
+/// (`host_timed` / `profile::timed`); a new op added without one would be
+/// missing from the table and counted as waiting on the device. The arms
+/// left out are listed with why.
+#[test]
+fn every_cuda_arm_of_the_boundary_is_timed_for_the_profile() {
+    const UNTIMED: &[(&str, &str)] = &[
+        (
+            "conv2d_backward",
+            "its dgrad and wgrad halves are timed in backend/cuda/ops.rs",
+        ),
+        (
+            "all_reduce_sum",
+            "the collective: timed by the data-parallel step itself",
+        ),
+        (
+            "synchronize",
+            "the wait at the end of a step, which the rest of the table is",
+        ),
+    ];
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/backend");
+    let mut arms = 0;
+    let mut untimed = Vec::new();
+    for file in ["mod.rs", "totals.rs"] {
+        let src = code(&root.join(file));
+        for (at, _) in src.match_indices("Device::Cuda(") {
+            let before = &src[..at];
+            let func = before
+                .rfind("fn ")
+                .map(|i| {
+                    let rest = &before[i + 3..];
+                    &rest[..rest.find(['(', '<']).unwrap_or(rest.len())]
+                })
+                .unwrap_or("?");
+            if UNTIMED.iter().any(|(f, _)| *f == func) {
+                continue;
+            }
+            arms += 1;
+            let arm = &src[at..];
+            let end = arm[1..].find("Device::").map_or(arm.len(), |i| i + 1);
+            if !arm[..end].contains("timed(") {
+                untimed.push(format!("{file}: {func}"));
+            }
+        }
+    }
+    assert!(
+        untimed.is_empty(),
+        "CUDA arms outside a timed region: {untimed:?}"
+    );
+    // The scan saw the boundary (about 30 ops).
+    assert!(arms >= 30, "only {arms} CUDA arms found");
+}

@@ -589,7 +589,7 @@ fn a_failed_checkpoint_write_keeps_the_previous_one_and_stops() {
         .arg("-c")
         .arg("trap '' XFSZ; ulimit -f 100; exec \"$@\"")
         .arg("bash")
-        .arg(env!("CARGO_BIN_EXE_memfit"))
+        .arg(common::memfit_bin())
         .args(&args)
         .output()
         .expect("run bash");

@@ -792,7 +792,7 @@ fn sigterm_saves_a_checkpoint_and_the_run_resumes() {
         "--save-every-steps",
         "1",
     ];
-    let child = Command::new(env!("CARGO_BIN_EXE_memfit"))
+    let child = Command::new(common::memfit_bin())
         .args(flags)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -935,7 +935,7 @@ fn a_closed_stdout_ends_the_program_quietly() {
     ] {
         let (reader, writer) = std::io::pipe().unwrap();
         drop(reader);
-        let out = Command::new(env!("CARGO_BIN_EXE_memfit"))
+        let out = Command::new(common::memfit_bin())
             .args(args)
             .env("RUST_BACKTRACE", "1")
             .stdout(writer)

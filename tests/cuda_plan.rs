@@ -422,7 +422,7 @@ fn auto_plans_for_a_gpu_fit_their_budget_by_simulation() {
 #[test]
 fn plan_for_a_gpu_this_machine_lacks() {
     let run = |sub: &str| {
-        std::process::Command::new(env!("CARGO_BIN_EXE_memfit"))
+        std::process::Command::new(common::memfit_bin())
             .args([
                 sub,
                 "--device",
@@ -461,5 +461,221 @@ fn plan_for_a_gpu_this_machine_lacks() {
         assert!(!train.status.success());
         let err = String::from_utf8_lossy(&train.stderr);
         assert!(err.contains("not found"), "{err}");
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The cuDNN algorithm choice per geometry (backend::cuda::conv_algo): its
+// pure part, fed cuDNN-shaped answers, so it is checked without a GPU.
+
+mod conv_algo_choice {
+    use std::collections::HashSet;
+
+    use memfit::backend::cuda::conv_algo::{
+        Candidate, Choice, ConvKey, Pass, PassLine, algo_name, choose, format_line,
+    };
+    use memfit::backend::cuda::dnn;
+    use memfit::ops::conv2d::ConvGeom;
+
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Algo {
+        A0,
+        Pinned,
+        A2,
+        A3,
+        A4,
+        A5,
+    }
+
+    fn cand(algo: Algo, status: Result<(), &str>, deterministic: bool) -> Candidate<Algo> {
+        Candidate {
+            algo,
+            status: status.map_err(str::to_string),
+            deterministic,
+            // The ranking's estimate, never what is counted.
+            memory_bytes: 999_999,
+        }
+    }
+
+    #[test]
+    fn the_pinned_algorithm_stays_when_cudnn_sizes_it() {
+        let c = choose(
+            Algo::Pinned,
+            Ok(131),
+            || panic!("the ranking is asked only after a refusal"),
+            |_| panic!("no other workspace query"),
+        )
+        .unwrap();
+        assert_eq!(
+            c,
+            Choice {
+                algo: Algo::Pinned,
+                workspace_bytes: 131,
+                refused_pinned: None
+            }
+        );
+    }
+
+    #[test]
+    fn a_refused_pinned_algorithm_falls_back_to_the_best_deterministic_one() {
+        let mut asked = Vec::new();
+        let c = choose(
+            Algo::Pinned,
+            Err("CUDNN_STATUS_NOT_SUPPORTED".into()),
+            || {
+                // cuDNN's order (fastest expected first).
+                Ok(vec![
+                    cand(Algo::A3, Ok(()), false),
+                    cand(Algo::A0, Err("CUDNN_STATUS_NOT_SUPPORTED"), true),
+                    cand(Algo::Pinned, Ok(()), true),
+                    cand(Algo::A2, Ok(()), true),
+                    cand(Algo::A4, Ok(()), true),
+                    cand(Algo::A5, Ok(()), true),
+                ])
+            },
+            |a| {
+                asked.push(a);
+                match a {
+                    Algo::A2 => Err("CUDNN_STATUS_BAD_PARAM".into()),
+                    _ => Ok(4096),
+                }
+            },
+        )
+        .unwrap();
+        assert_eq!(c.algo, Algo::A4);
+        // Exactly what the workspace query said, not the ranking's estimate.
+        assert_eq!(c.workspace_bytes, 4096);
+        let why = c.refused_pinned.unwrap();
+        assert!(
+            why.contains("Pinned") && why.contains("NOT_SUPPORTED"),
+            "{why}"
+        );
+        // Neither the non-deterministic, the failed nor the pinned one was
+        // sized; the search stopped at the first that answered.
+        assert_eq!(asked, [Algo::A2, Algo::A4]);
+    }
+
+    #[test]
+    fn no_usable_algorithm_is_an_error_naming_each_refusal() {
+        let e = choose(
+            Algo::Pinned,
+            Err("CUDNN_STATUS_NOT_SUPPORTED".into()),
+            || {
+                Ok(vec![
+                    cand(Algo::A3, Ok(()), false),
+                    cand(Algo::A0, Err("CUDNN_STATUS_NOT_SUPPORTED"), true),
+                    cand(Algo::A2, Ok(()), true),
+                ])
+            },
+            |_| Err("CUDNN_STATUS_BAD_PARAM".into()),
+        )
+        .unwrap_err();
+        for part in [
+            "pinned Pinned refused (CUDNN_STATUS_NOT_SUPPORTED)",
+            "A3: not deterministic",
+            "A0: CUDNN_STATUS_NOT_SUPPORTED",
+            "A2: workspace query CUDNN_STATUS_BAD_PARAM",
+        ] {
+            assert!(e.contains(part), "{part:?} missing from {e}");
+        }
+        let e = choose(
+            Algo::Pinned,
+            Err("X".into()),
+            || Err("CUDNN_STATUS_EXECUTION_FAILED".into()),
+            |_| Ok(0),
+        )
+        .unwrap_err();
+        assert!(
+            e.contains("ranking failed (CUDNN_STATUS_EXECUTION_FAILED)"),
+            "{e}"
+        );
+        let e = choose(Algo::Pinned, Err("X".into()), || Ok(vec![]), |_| Ok(0)).unwrap_err();
+        assert!(e.contains("none offered"), "{e}");
+    }
+
+    fn stem(n: usize) -> ConvGeom {
+        ConvGeom {
+            n,
+            h: 224,
+            w: 224,
+            cin: 3,
+            cout: 64,
+            kh: 7,
+            kw: 7,
+            stride: 2,
+            pad: 3,
+        }
+    }
+
+    #[test]
+    fn one_key_per_geometry_and_math() {
+        let g = stem(64);
+        let k = ConvKey::f32_nhwc(&g, true);
+        assert_eq!(
+            k.to_string(),
+            "n64 224x224x3 -> 112x112x64 k7x7 s2 p3 f32 nhwc tf32"
+        );
+        let mut s1 = g;
+        s1.stride = 1;
+        let keys: HashSet<ConvKey> = [
+            k,
+            ConvKey::f32_nhwc(&g, true),
+            ConvKey::f32_nhwc(&g, false),
+            ConvKey::f32_nhwc(&s1, true),
+            ConvKey::f32_nhwc(&stem(32), true),
+        ]
+        .into_iter()
+        .collect();
+        assert_eq!(keys.len(), 4, "the same geometry and math is one entry");
+    }
+
+    #[test]
+    fn the_check_prints_one_line_per_geometry() {
+        assert_eq!(algo_name(dnn::FWD_ALGO), "IMPLICIT_PRECOMP_GEMM");
+        assert_eq!(algo_name(dnn::BWD_DATA_ALGO), "ALGO_1");
+        assert_eq!(algo_name(dnn::BWD_FILTER_ALGO), "ALGO_1");
+        let line = format_line(
+            &ConvKey::f32_nhwc(&stem(64), false),
+            &[
+                PassLine {
+                    pass: Pass::Forward,
+                    algo: "IMPLICIT_PRECOMP_GEMM".into(),
+                    workspace_bytes: 131,
+                    fallback: false,
+                },
+                PassLine {
+                    pass: Pass::BackwardFilter,
+                    algo: "ALGO_0".into(),
+                    workspace_bytes: 2_200_000,
+                    fallback: true,
+                },
+            ],
+        );
+        assert_eq!(
+            line,
+            "cudnn conv n64 224x224x3 -> 112x112x64 k7x7 s2 p3 f32 nhwc fma: fwd \
+             IMPLICIT_PRECOMP_GEMM 131 B; bwd-filter ALGO_0 (fallback) 2200000 B"
+        );
+    }
+
+    /// Without a GPU nothing was asked of cuDNN, so nothing is listed, and
+    /// the meta device plans with the documented bound (announced by
+    /// `memfit plan`), not an error.
+    #[test]
+    fn without_a_gpu_the_plan_uses_the_documented_bound() {
+        if !memfit::device::cuda::no_gpu_here() {
+            return;
+        }
+        let g = stem(2);
+        let (_, len) = memfit::backend::conv2d_workspace(
+            memfit::device::Device::Meta(memfit::device::Target::Cuda(0)),
+            &g,
+            memfit::backend::ConvPass::Forward,
+        )
+        .unwrap();
+        let want = dnn::weight_regions_bytes(&g, memfit::backend::ConvPass::Forward)
+            + dnn::CUDNN_DEFAULT_WORKSPACE;
+        assert_eq!(len * 4, want.next_multiple_of(4));
+        assert!(dnn::conv_choice_lines().is_empty());
     }
 }

@@ -306,7 +306,7 @@ fn empty(pool: &Pool, dims: &[usize]) -> Tensor {
 }
 
 fn workspace(pool: &Pool, g: &ConvGeom, pass: ConvPass) -> Tensor {
-    let (dt, len) = backend::conv2d_workspace(pool.device(), g, pass);
+    let (dt, len) = backend::conv2d_workspace(pool.device(), g, pass).unwrap();
     pool.empty(&[len.max(1)], dt, Category::Workspace, Tag::fixed("ws"))
         .unwrap()
 }

@@ -57,7 +57,7 @@ fn unsupported_formats_and_special_files_are_left_out_loudly_never_opened() {
         println!("mkfifo unavailable: checking the formats only");
     }
     let root = dir.0.to_str().unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_memfit"))
+    let mut child = Command::new(common::memfit_bin())
         .args([
             "train",
             "--data",

@@ -60,7 +60,12 @@ fn text(o: &Output) -> (String, String) {
     )
 }
 
-const BIN: &str = env!("CARGO_BIN_EXE_memfit");
+/// The memfit binary (`common::memfit_bin`), as the `&str` mpirun's
+/// argument lists take.
+fn bin() -> &'static str {
+    static BIN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    BIN.get_or_init(|| common::memfit_bin().to_string_lossy().into_owned())
+}
 
 /// Every tensor of two weight files, bitwise.
 fn same_tensors(a: &Path, b: &Path) -> bool {
@@ -86,7 +91,7 @@ fn two_processes_train_resume_and_report_once() {
     let dir = TempDir::new("mpi-train");
     let d = dir.0.as_path();
     let train = |extra: &[&str]| {
-        let mut args = vec!["-np", "2", BIN, "--threads", "1", "train", "--steps", "6"];
+        let mut args = vec!["-np", "2", bin(), "--threads", "1", "train", "--steps", "6"];
         args.extend_from_slice(extra);
         mpirun(d, &args, Duration::from_secs(120))
     };
@@ -123,7 +128,7 @@ fn two_processes_train_resume_and_report_once() {
     ));
 
     // One process cannot continue a run of two: named.
-    let one = Command::new(BIN)
+    let one = Command::new(bin())
         .args(["--threads", "1", "train", "--resume", "run", "--steps", "8"])
         .current_dir(d)
         .output()
@@ -138,7 +143,7 @@ fn two_processes_train_resume_and_report_once() {
         &[
             "-np",
             "2",
-            BIN,
+            bin(),
             "--threads",
             "1",
             "train",
@@ -170,7 +175,7 @@ fn different_command_lines_end_every_process() {
         &[
             "-np",
             "1",
-            BIN,
+            bin(),
             "train",
             "--steps",
             "1",
@@ -179,7 +184,7 @@ fn different_command_lines_end_every_process() {
             ":",
             "-np",
             "1",
-            BIN,
+            bin(),
             "train",
             "--steps",
             "1",
@@ -226,9 +231,9 @@ fn a_process_that_fails_alone_ends_the_others() {
         "200",
     ];
     let (wa, wb) = (with.to_str().unwrap(), without.to_str().unwrap());
-    let mut all = vec!["-np", "1", "-wdir", wa, BIN];
+    let mut all = vec!["-np", "1", "-wdir", wa, bin()];
     all.extend_from_slice(&args);
-    all.extend_from_slice(&[":", "-np", "1", "-wdir", wb, BIN]);
+    all.extend_from_slice(&[":", "-np", "1", "-wdir", wb, bin()]);
     all.extend_from_slice(&args);
     let (o, took) = mpirun(&dir.0, &all, Duration::from_secs(60));
     let (out, err) = text(&o);
@@ -251,7 +256,7 @@ fn a_process_that_never_starts_ends_the_run_after_the_timeout() {
             "MEMFIT_DIST_TIMEOUT=3",
             "-np",
             "1",
-            BIN,
+            bin(),
             "train",
             "--steps",
             "1",
@@ -286,7 +291,7 @@ fn bench_step_reports_the_all_reduce_for_two_processes() {
         &[
             "-np",
             "2",
-            BIN,
+            bin(),
             "--threads",
             "1",
             "bench",
@@ -330,7 +335,7 @@ fn bench_scaling_tables_one_and_two_processes() {
         return;
     }
     let dir = TempDir::new("mpi-scaling");
-    let out = Command::new(BIN)
+    let out = Command::new(bin())
         .args([
             "bench",
             "scaling",

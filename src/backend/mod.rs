@@ -41,6 +41,8 @@ use crate::device::{Capabilities, Device};
 use crate::error::{Error, Result};
 use crate::ops::conv2d::ConvGeom;
 use crate::ops::maxpool::PoolGeom;
+#[cfg(any(feature = "cuda", feature = "cuda-12"))]
+use crate::profile::Family;
 use crate::tensor::{DType, Precision, Tensor};
 
 /// Which pass of a convolution a workspace is for.
@@ -53,16 +55,25 @@ pub enum ConvPass {
 
 /// The workspace a convolution needs on `device`: (element type, elements).
 /// The layers allocate it from the pool, so it is counted like any tensor;
-/// a meta device answers as its target would.
-pub fn conv2d_workspace(device: Device, g: &ConvGeom, pass: ConvPass) -> (DType, usize) {
+/// a meta device answers as its target would. On CUDA it is cuDNN's exact
+/// answer for the algorithm chosen for the geometry, and an error when a
+/// GPU that is here cannot size it.
+pub fn conv2d_workspace(device: Device, g: &ConvGeom, pass: ConvPass) -> Result<(DType, usize)> {
     match device.target() {
-        crate::device::Target::Cpu => match pass {
+        crate::device::Target::Cpu => Ok(match pass {
             ConvPass::Forward => (DType::F32, g.forward_workspace_len()),
             ConvPass::Backward => (DType::F32, g.backward_workspace_len()),
-        },
+        }),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
         crate::device::Target::Cuda(n) => cuda::ops::conv2d_workspace(n, g, pass),
     }
+}
+
+/// A CUDA arm's host time under `--profile`: what the call takes to
+/// enqueue its work, no synchronisation (see `profile::Family`).
+#[cfg(any(feature = "cuda", feature = "cuda-12"))]
+fn host_timed<R>(family: Family, work: impl FnOnce() -> R) -> R {
+    crate::profile::timed(family, 0, work)
 }
 
 thread_local! {
@@ -109,7 +120,9 @@ pub fn conv2d_forward(
     match y.device() {
         Device::Cpu => cpu::conv2d_forward(y, x, w, g, ws, p),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => cuda::ops::conv2d_forward(y, x, w, g, ws, p)?,
+        Device::Cuda(_) => host_timed(Family::ConvForward, || {
+            cuda::ops::conv2d_forward(y, x, w, g, ws, p)
+        })?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -152,7 +165,9 @@ pub fn bn_batch_stats(
     match mean.device() {
         Device::Cpu => cpu::bn_batch_stats(mean, var, rstd, x, eps),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => cuda::ops::bn_batch_stats(mean, var, rstd, x, eps)?,
+        Device::Cuda(_) => host_timed(Family::BatchNorm, || {
+            cuda::ops::bn_batch_stats(mean, var, rstd, x, eps)
+        })?,
         Device::Meta(_) => scratch::count_on_meta(
             x,
             &[scratch::bn_partial(
@@ -177,9 +192,9 @@ pub fn bn_update_running(
     match running_mean.device() {
         Device::Cpu => cpu::bn_update_running(running_mean, running_var, mean, var, rows, momentum),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => {
-            cuda::ops::bn_update_running(running_mean, running_var, mean, var, rows, momentum)?
-        }
+        Device::Cuda(_) => host_timed(Family::BatchNorm, || {
+            cuda::ops::bn_update_running(running_mean, running_var, mean, var, rows, momentum)
+        })?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -197,7 +212,9 @@ pub fn bn_running_stats(
     match mean.device() {
         Device::Cpu => cpu::bn_running_stats(mean, rstd, running_mean, running_var, eps),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => cuda::ops::bn_running_stats(mean, rstd, running_mean, running_var, eps)?,
+        Device::Cuda(_) => host_timed(Family::BatchNorm, || {
+            cuda::ops::bn_running_stats(mean, rstd, running_mean, running_var, eps)
+        })?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -219,7 +236,9 @@ pub fn bn_forward(
     match y.device() {
         Device::Cpu => cpu::bn_forward(y, x, mean, rstd, gamma, beta, relu, p),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => cuda::ops::bn_forward(y, x, mean, rstd, gamma, beta, relu, p)?,
+        Device::Cuda(_) => host_timed(Family::BatchNorm, || {
+            cuda::ops::bn_forward(y, x, mean, rstd, gamma, beta, relu, p)
+        })?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -242,9 +261,9 @@ pub fn bn_forward_keep_x(
     match y.device() {
         Device::Cpu => cpu::bn_forward_keep_x(y, x_low, x, mean, rstd, gamma, beta, relu, p),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => {
-            cuda::ops::bn_forward_keep_x(y, x_low, x, mean, rstd, gamma, beta, relu, p)?
-        }
+        Device::Cuda(_) => host_timed(Family::BatchNorm, || {
+            cuda::ops::bn_forward_keep_x(y, x_low, x, mean, rstd, gamma, beta, relu, p)
+        })?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -284,19 +303,21 @@ pub fn bn_backward(
             p,
         ),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => cuda::ops::bn_backward(
-            dx,
-            dgamma,
-            dbeta,
-            dy,
-            x,
-            mean,
-            rstd,
-            gamma,
-            relu_out,
-            batch_stats,
-            p,
-        )?,
+        Device::Cuda(_) => host_timed(Family::BatchNorm, || {
+            cuda::ops::bn_backward(
+                dx,
+                dgamma,
+                dbeta,
+                dy,
+                x,
+                mean,
+                rstd,
+                gamma,
+                relu_out,
+                batch_stats,
+                p,
+            )
+        })?,
         Device::Meta(_) => {
             let (c, rows) = (
                 mean.numel(),
@@ -322,7 +343,9 @@ pub fn add_relu_forward(
     match z.device() {
         Device::Cpu => cpu::add_relu_forward(z, residual, mask, p),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => cuda::ops::add_relu_forward(z, residual, mask, p)?,
+        Device::Cuda(_) => host_timed(Family::Add, || {
+            cuda::ops::add_relu_forward(z, residual, mask, p)
+        })?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -333,7 +356,7 @@ pub fn add_assign(acc: &mut Tensor, x: &Tensor, p: Precision) -> Result<()> {
     match acc.device() {
         Device::Cpu => cpu::add_assign(acc, x, p),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => cuda::ops::add_assign(acc, x, p)?,
+        Device::Cuda(_) => host_timed(Family::Add, || cuda::ops::add_assign(acc, x, p))?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -344,7 +367,7 @@ pub fn relu_mask_forward(x: &mut Tensor, mask: &mut Tensor) -> Result<()> {
     match x.device() {
         Device::Cpu => cpu::relu_mask_forward(x, mask),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => cuda::ops::relu_mask_forward(x, mask)?,
+        Device::Cuda(_) => host_timed(Family::Relu, || cuda::ops::relu_mask_forward(x, mask))?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -355,7 +378,9 @@ pub fn relu_mask_backward_inplace(d: &mut Tensor, mask: &Tensor) -> Result<()> {
     match d.device() {
         Device::Cpu => cpu::relu_mask_backward_inplace(d, mask),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => cuda::ops::relu_mask_backward_inplace(d, mask)?,
+        Device::Cuda(_) => host_timed(Family::Relu, || {
+            cuda::ops::relu_mask_backward_inplace(d, mask)
+        })?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -366,7 +391,7 @@ pub fn maxpool_forward(y: &mut Tensor, x: &Tensor, g: &PoolGeom) -> Result<()> {
     match y.device() {
         Device::Cpu => cpu::maxpool_forward(y, x, g),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => cuda::ops::maxpool_forward(y, x, g)?,
+        Device::Cuda(_) => host_timed(Family::Pool, || cuda::ops::maxpool_forward(y, x, g))?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -383,7 +408,9 @@ pub fn maxpool_backward(
     match dx.device() {
         Device::Cpu => cpu::maxpool_backward(dx, dy, x, g, p),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => cuda::ops::maxpool_backward(dx, dy, x, g, p)?,
+        Device::Cuda(_) => host_timed(Family::Pool, || {
+            cuda::ops::maxpool_backward(dx, dy, x, g, p)
+        })?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -394,7 +421,7 @@ pub fn avgpool_forward(y: &mut Tensor, x: &Tensor, p: Precision) -> Result<()> {
     match y.device() {
         Device::Cpu => cpu::avgpool_forward(y, x, p),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => cuda::ops::avgpool_forward(y, x, p)?,
+        Device::Cuda(_) => host_timed(Family::Pool, || cuda::ops::avgpool_forward(y, x, p))?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -405,7 +432,7 @@ pub fn avgpool_backward(dx: &mut Tensor, dy: &Tensor, p: Precision) -> Result<()
     match dx.device() {
         Device::Cpu => cpu::avgpool_backward(dx, dy, p),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => cuda::ops::avgpool_backward(dx, dy, p)?,
+        Device::Cuda(_) => host_timed(Family::Pool, || cuda::ops::avgpool_backward(dx, dy, p))?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -422,7 +449,7 @@ pub fn linear_forward(
     match y.device() {
         Device::Cpu => cpu::linear_forward(y, x, w, b, p),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => cuda::ops::linear_forward(y, x, w, b, p)?,
+        Device::Cuda(_) => host_timed(Family::Linear, || cuda::ops::linear_forward(y, x, w, b, p))?,
         Device::Meta(_) => scratch::count_on_meta(y, &[scratch::cublas_workspace_for(y)])?,
     }
     Ok(())
@@ -441,7 +468,9 @@ pub fn linear_backward(
     match dx.device() {
         Device::Cpu => cpu::linear_backward(dx, dw, db, dy, x, w, p),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => cuda::ops::linear_backward(dx, dw, db, dy, x, w, p)?,
+        Device::Cuda(_) => host_timed(Family::Linear, || {
+            cuda::ops::linear_backward(dx, dw, db, dy, x, w, p)
+        })?,
         Device::Meta(_) => scratch::count_on_meta(dx, &[scratch::cublas_workspace_for(dx)])?,
     }
     Ok(())
@@ -499,7 +528,7 @@ pub fn round(t: &mut Tensor, p: Precision) -> Result<()> {
     match t.device() {
         Device::Cpu => cpu::round(t, p),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => cuda::ops::round(t, p)?,
+        Device::Cuda(_) => host_timed(Family::Copies, || cuda::ops::round(t, p))?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -510,7 +539,7 @@ pub fn widen(dst: &mut Tensor, src: &Tensor) -> Result<()> {
     match dst.device() {
         Device::Cpu => cpu::widen(dst, src),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => cuda::ops::widen(dst, src)?,
+        Device::Cuda(_) => host_timed(Family::Copies, || cuda::ops::widen(dst, src))?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -521,7 +550,7 @@ pub fn narrow(dst: &mut Tensor, src: &Tensor) -> Result<()> {
     match dst.device() {
         Device::Cpu => cpu::narrow(dst, src),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => cuda::ops::narrow(dst, src)?,
+        Device::Cuda(_) => host_timed(Family::Copies, || cuda::ops::narrow(dst, src))?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -532,7 +561,7 @@ pub fn copy_rounded(dst: &mut Tensor, src: &Tensor, p: Precision) -> Result<()> 
     match dst.device() {
         Device::Cpu => cpu::copy_rounded(dst, src, p),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => cuda::ops::copy_rounded(dst, src, p)?,
+        Device::Cuda(_) => host_timed(Family::Copies, || cuda::ops::copy_rounded(dst, src, p))?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -566,16 +595,18 @@ pub fn sgd_update(
             nesterov,
         ),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => cuda::ops::sgd_update(
-            value,
-            grad,
-            momentum_buf,
-            first,
-            lr,
-            momentum,
-            weight_decay,
-            nesterov,
-        )?,
+        Device::Cuda(_) => host_timed(Family::Optimizer, || {
+            cuda::ops::sgd_update(
+                value,
+                grad,
+                momentum_buf,
+                first,
+                lr,
+                momentum,
+                weight_decay,
+                nesterov,
+            )
+        })?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -609,18 +640,20 @@ pub fn adamw_update(
             weight_decay,
         ),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => cuda::ops::adamw_update(
-            value,
-            grad,
-            exp_avg,
-            exp_avg_sq,
-            t,
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-        )?,
+        Device::Cuda(_) => host_timed(Family::Optimizer, || {
+            cuda::ops::adamw_update(
+                value,
+                grad,
+                exp_avg,
+                exp_avg_sq,
+                t,
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            )
+        })?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -639,7 +672,7 @@ pub fn scale(t: &mut Tensor, c: f32) -> Result<()> {
     match t.device() {
         Device::Cpu => cpu::scale(t, c),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => cuda::ops::scale(t, c)?,
+        Device::Cuda(_) => host_timed(Family::Optimizer, || cuda::ops::scale(t, c))?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -676,7 +709,7 @@ pub fn copy_from_host(t: &mut Tensor, values: &[f32]) -> Result<()> {
     match t.device() {
         Device::Cpu => cpu::copy_from_host(t, values),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => cuda::ops::copy_from_host(t, values)?,
+        Device::Cuda(_) => host_timed(Family::Copies, || cuda::ops::copy_from_host(t, values))?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -696,7 +729,9 @@ pub fn copy_to_host_into(dst: &mut [f32], t: &Tensor) -> Result<()> {
     match t.device() {
         Device::Cpu => cpu::copy_to_host_into(dst, t),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => cuda::ops::copy_to_host_into(dst, t)?,
+        Device::Cuda(_) => {
+            host_timed(Family::DeviceReads, || cuda::ops::copy_to_host_into(dst, t))?
+        }
         Device::Meta(_) => dst.fill(0.0),
     }
     Ok(())
@@ -714,7 +749,7 @@ pub fn copy(dst: &mut Tensor, src: &Tensor) -> Result<()> {
     match dst.device() {
         Device::Cpu => cpu::copy(dst, src),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => cuda::ops::copy(dst, src)?,
+        Device::Cuda(_) => host_timed(Family::Copies, || cuda::ops::copy(dst, src))?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -746,7 +781,9 @@ pub fn copy_range(
     match dst.device() {
         Device::Cpu => cpu::copy_range(dst, dst_at, src, src_at, len),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => cuda::ops::copy_range(dst, dst_at, src, src_at, len)?,
+        Device::Cuda(_) => host_timed(Family::Copies, || {
+            cuda::ops::copy_range(dst, dst_at, src, src_at, len)
+        })?,
         Device::Meta(_) => {}
     }
     Ok(())

@@ -92,7 +92,10 @@ impl StepTotals {
         match t.device() {
             #[cfg(any(feature = "cuda", feature = "cuda-12"))]
             Device::Cuda(_) => {
-                let w = super::cuda::ops::read_totals(t)?;
+                // Host time here is the wait for the queued work.
+                let w = crate::profile::timed(crate::profile::Family::DeviceReads, 0, || {
+                    super::cuda::ops::read_totals(t)
+                })?;
                 let word = |at: usize| w[at / 8];
                 let half = |at: usize| (word(at) >> (8 * (at % 8))) as u32;
                 Ok(Totals {
@@ -148,17 +151,19 @@ pub fn cross_entropy_add(
             totals.host.correct += o.correct;
         }
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => super::cuda::ops::cross_entropy_add(
-            totals.on_device(d_logits)?,
-            d_logits,
-            logits,
-            labels,
-            smoothing,
-            divisor,
-            scale,
-            p,
-            share,
-        )?,
+        Device::Cuda(_) => crate::profile::timed(crate::profile::Family::Loss, 0, || {
+            super::cuda::ops::cross_entropy_add(
+                totals.on_device(d_logits)?,
+                d_logits,
+                logits,
+                labels,
+                smoothing,
+                divisor,
+                scale,
+                p,
+                share,
+            )
+        })?,
         Device::Meta(_) => {
             scratch::count_on_meta(d_logits, &[scratch::cross_entropy(labels.len())])?;
         }
@@ -172,7 +177,9 @@ pub fn unscale_add(totals: &mut StepTotals, t: &mut Tensor, inv: f32) -> Result<
     match t.device() {
         Device::Cpu => totals.host.non_finite |= cpu::unscale(t, inv),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => super::cuda::ops::unscale_into(totals.on_device(t)?, t, inv)?,
+        Device::Cuda(_) => crate::profile::timed(crate::profile::Family::Optimizer, 0, || {
+            super::cuda::ops::unscale_into(totals.on_device(t)?, t, inv)
+        })?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -183,7 +190,9 @@ pub fn check_finite_add(totals: &mut StepTotals, t: &Tensor) -> Result<()> {
     match t.device() {
         Device::Cpu => totals.host.non_finite |= !cpu::all_finite(t),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => super::cuda::ops::check_finite_into(totals.on_device(t)?, t)?,
+        Device::Cuda(_) => crate::profile::timed(crate::profile::Family::Optimizer, 0, || {
+            super::cuda::ops::check_finite_into(totals.on_device(t)?, t)
+        })?,
         Device::Meta(_) => {}
     }
     Ok(())
@@ -194,9 +203,9 @@ pub fn sum_squares_add(totals: &mut StepTotals, t: &Tensor) -> Result<()> {
     match t.device() {
         Device::Cpu => totals.host.sum_squares += cpu::sum_squares(t),
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        Device::Cuda(_) => {
-            super::cuda::ops::sum_squares_add(totals.on_device(t)?, scratch::TOTALS_SUM_SQUARES, t)?
-        }
+        Device::Cuda(_) => crate::profile::timed(crate::profile::Family::Optimizer, 0, || {
+            super::cuda::ops::sum_squares_add(totals.on_device(t)?, scratch::TOTALS_SUM_SQUARES, t)
+        })?,
         Device::Meta(_) => {
             scratch::count_on_meta(t, &[scratch::sum_squares_partials(t.numel())])?;
         }

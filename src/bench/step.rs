@@ -189,6 +189,15 @@ pub fn measure_steps_on(
         },
         fmt_bytes(predicted)
     );
+    // On a GPU, the cuDNN algorithm and exact workspace chosen per
+    // convolution geometry (planning asked cuDNN for each one), before the
+    // steps run: a step that fails still leaves them in the log.
+    #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+    if a.profile && matches!(pool.device(), crate::device::Device::Cuda(_)) {
+        for line in crate::backend::cuda::dnn::conv_choice_lines() {
+            outln!(out, "{line}");
+        }
+    }
     if let Some(note) = bf16_emulation_note(resolved.precision).filter(|_| comm.is_root()) {
         eprintln!("{note}");
     }
@@ -293,7 +302,14 @@ pub fn measure_steps_on(
     if a.profile {
         let totals = crate::profile::totals();
         crate::profile::enable(false);
-        write!(out, "{}", format_profile(&totals, total, a.steps)).map_err(Error::Output)?;
+        // Off the CPU the backend's calls only enqueue work: their host time.
+        let host_time = pool.device() != crate::device::Device::Cpu;
+        write!(
+            out,
+            "{}",
+            format_profile(&totals, total, a.steps, host_time)
+        )
+        .map_err(Error::Output)?;
     }
     let stages = &resolved.costs.stages;
     let forward: f64 = stages.iter().map(|st| st.forward_flops).sum();
@@ -317,30 +333,70 @@ pub fn measure_steps_on(
     })
 }
 
-/// The `--profile` table: seconds per step per op family, share of the
-/// step, and GFLOP/s where the family does FLOPs; one line each.
+/// The `--profile` table, one line per op family. On the CPU
+/// (`host_time` false): seconds per step of the four timed families, share
+/// of the step, GFLOP/s where the family does FLOPs, and the untimed rest.
+/// On a GPU (`host_time` true): the host time per step every family's
+/// calls took to enqueue their work (no synchronisation per op, so launch
+/// overhead is what shows), calls per step and microseconds per call; the
+/// rest of the step is the wait for the device and host code outside the
+/// backend.
 pub fn format_profile(
-    totals: &[(crate::profile::Family, f64, f64)],
+    totals: &[crate::profile::FamilyTotal],
     total: f64,
     steps: usize,
+    host_time: bool,
 ) -> String {
+    use crate::profile::Family;
     use std::fmt::Write as _;
     let per = |x: f64| x / steps.max(1) as f64;
-    let mut s = String::from("| op family | s/step | share | GFLOP/s |\n|---|---|---|---|\n");
+    let share = |x: f64| 100.0 * x / total.max(1e-12);
     let mut accounted = 0.0;
-    for (f, secs, flops) in totals {
-        accounted += secs;
-        let rate = if *flops > 0.0 && *secs > 0.0 {
-            format!("{:.1}", flops / secs / 1e9)
+    let mut s = String::new();
+    if host_time {
+        s.push_str(
+            "host time per op family (the calls that enqueue the work, no synchronisation per op)\n\
+             | op family | host ms/step | share | calls/step | us/call |\n|---|---|---|---|---|\n",
+        );
+        for t in totals {
+            accounted += t.seconds;
+            let us = if t.calls > 0 {
+                format!("{:.1}", 1e6 * t.seconds / t.calls as f64)
+            } else {
+                "-".into()
+            };
+            let _ = writeln!(
+                s,
+                "| {} | {:.3} | {:.0}% | {:.1} | {us} |",
+                t.family.name(),
+                1e3 * per(t.seconds),
+                share(t.seconds),
+                per(t.calls as f64)
+            );
+        }
+        let rest = (total - accounted).max(0.0);
+        let _ = writeln!(
+            s,
+            "| rest (waiting on the device, host code outside the backend) | {:.3} | {:.0}% | - | - |",
+            1e3 * per(rest),
+            share(rest)
+        );
+        return s;
+    }
+    s.push_str("| op family | s/step | share | GFLOP/s |\n|---|---|---|---|\n");
+    for t in totals.iter().filter(|t| Family::CPU.contains(&t.family)) {
+        accounted += t.seconds;
+        let rate = if t.flops > 0.0 && t.seconds > 0.0 {
+            format!("{:.1}", t.flops / t.seconds / 1e9)
         } else {
             "-".into()
         };
         let _ = writeln!(
             s,
             "| {} | {:.3} | {:.0}% | {rate} |",
-            f.name(),
-            per(*secs),
-            100.0 * secs / total.max(1e-12)
+            t.family.name(),
+            per(t.seconds),
+            share(t.seconds)
         );
     }
     let rest = (total - accounted).max(0.0);
@@ -348,7 +404,75 @@ pub fn format_profile(
         s,
         "| other (ReLU, pooling, add, loss, conversions, optimizer) | {:.3} | {:.0}% | - |",
         per(rest),
-        100.0 * rest / total.max(1e-12)
+        share(rest)
     );
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::format_profile;
+    use crate::profile::{Family, FamilyTotal};
+
+    fn totals() -> Vec<FamilyTotal> {
+        Family::ALL
+            .iter()
+            .map(|&family| FamilyTotal {
+                family,
+                seconds: match family {
+                    Family::ConvForward => 0.2,
+                    Family::Relu => 0.01,
+                    Family::DeviceReads => 0.1,
+                    _ => 0.0,
+                },
+                flops: if family == Family::ConvForward {
+                    4e9
+                } else {
+                    0.0
+                },
+                calls: match family {
+                    Family::ConvForward => 100,
+                    Family::Relu => 50,
+                    Family::DeviceReads => 2,
+                    _ => 0,
+                },
+            })
+            .collect()
+    }
+
+    /// The CPU's table is unchanged: its four families and the rest.
+    #[test]
+    fn the_cpu_table_times_its_four_families() {
+        let t = format_profile(&totals(), 1.0, 2, false);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines.len(), 2 + 4 + 1, "{t}");
+        assert_eq!(lines[2], "| conv fwd | 0.100 | 20% | 20.0 |");
+        assert!(!t.contains("relu |"), "{t}");
+        // The rest holds everything the four did not (ReLU's 0.01 too).
+        assert_eq!(
+            lines[6],
+            "| other (ReLU, pooling, add, loss, conversions, optimizer) | 0.400 | 80% | - |"
+        );
+    }
+
+    /// On a GPU every family is a row of host time, calls and time per
+    /// call, and the rest is the wait for the device.
+    #[test]
+    fn the_gpu_table_shows_host_time_and_calls_per_family() {
+        let t = format_profile(&totals(), 1.0, 2, true);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines.len(), 3 + 12 + 1, "{t}");
+        assert!(lines[0].starts_with("host time per op family"), "{t}");
+        assert_eq!(lines[3], "| conv fwd | 100.000 | 20% | 50.0 | 2000.0 |");
+        assert!(t.contains("| relu | 5.000 | 1% | 25.0 | 200.0 |"), "{t}");
+        assert!(t.contains("| pool | 0.000 | 0% | 0.0 | - |"), "{t}");
+        assert!(
+            t.contains("| device reads (wait) | 50.000 | 10% | 1.0 | 50000.0 |"),
+            "{t}"
+        );
+        assert_eq!(
+            lines[15],
+            "| rest (waiting on the device, host code outside the backend) | 345.000 | 69% | - | - |"
+        );
+    }
 }

@@ -328,7 +328,10 @@ struct StepArgs {
     #[command(flatten)]
     precision: PrecisionArgs,
     /// Also print the time per op family (conv forward, dgrad, wgrad, batch
-    /// norm, the rest) per step and the GFLOP/s of each convolution pass.
+    /// norm, the rest) per step and the GFLOP/s of each convolution pass; on
+    /// a GPU, the host time per op family (conv, bn, relu, add, pool, linear,
+    /// loss, optimizer, copies, device reads) with calls per step, and the
+    /// cuDNN algorithm and workspace per convolution geometry.
     #[arg(long)]
     profile: bool,
 }

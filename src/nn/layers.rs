@@ -154,7 +154,7 @@ impl Conv {
 
     /// The workspace the device asks for this convolution, from the ctx.
     fn workspace(&self, ctx: &Ctx<'_>, g: &ConvGeom, pass: ConvPass) -> Result<Tensor> {
-        let (dtype, len) = backend::conv2d_workspace(ctx.device(), g, pass);
+        let (dtype, len) = backend::conv2d_workspace(ctx.device(), g, pass)?;
         ctx.empty(
             &[len],
             dtype,

@@ -53,7 +53,7 @@ impl ConvInput<'_> {
 }
 
 /// Everything that determines a convolution's shapes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ConvGeom {
     pub n: usize,
     pub h: usize,

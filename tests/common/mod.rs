@@ -86,10 +86,24 @@ impl Drop for TempDir {
     }
 }
 
+/// The memfit binary the tests run: `MEMFIT_BIN` when set, else the one
+/// cargo built beside this test. The GPU bundle (tools/gpu/bundle.sh)
+/// runs the test binaries on a machine where the path cargo compiled in
+/// does not exist, so tools/gpu/check.sh points `MEMFIT_BIN` at the
+/// bundled binary.
+pub fn memfit_bin() -> PathBuf {
+    std::env::var_os("MEMFIT_BIN")
+        .filter(|v| !v.is_empty())
+        .map_or_else(
+            || PathBuf::from(env!("CARGO_BIN_EXE_memfit")),
+            PathBuf::from,
+        )
+}
+
 /// Runs the memfit binary with `args` and extra environment variables;
 /// returns (exit code, stdout, stderr).
 pub fn memfit_env(args: &[&str], env: &[(&str, &Path)]) -> (i32, String, String) {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_memfit"));
+    let mut cmd = Command::new(memfit_bin());
     cmd.args(args);
     for (k, v) in env {
         cmd.env(k, v);

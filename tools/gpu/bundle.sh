@@ -6,13 +6,14 @@
 # stripped: the symbols (about 4.5 MiB in all) give a panic's backtrace its
 # function names on the GPU machine (check.sh sets RUST_BACKTRACE=1). Then,
 # with the device tool:
-#   run(command="bash target/gpu-bundle/check.sh 480", carry=["target/gpu-bundle"], timeout_s=560)
+#   run(command="bash target/gpu-bundle/check.sh 360", carry=["target/gpu-bundle"], timeout_s=420)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 DEST=target/gpu-bundle
 rm -rf "$DEST"; mkdir -p "$DEST"
 cargo build --release --features cuda
-cp target/release/memfit "$DEST/"
+# Where cargo put it: CARGO_TARGET_DIR when set, else target/.
+cp "${CARGO_TARGET_DIR:-target}/release/memfit" "$DEST/"
 TESTS=(cuda_vs_cpu cuda_probe cuda_plan cuda_kernels)
 ARGS=(); for t in "${TESTS[@]}"; do ARGS+=(--test "$t"); done
 # json-render-diagnostics: compile errors still reach the terminal.
@@ -29,4 +30,5 @@ cp tools/gpu/check.sh "$DEST/"
 du -sh "$DEST"; ls -la "$DEST"
 for t in memfit "${TESTS[@]}"; do [ -x "$DEST/$t" ] || { echo "missing $t" >&2; exit 1; }; done
 bash -n "$DEST/check.sh"
+bash "$DEST/check.sh" --self-test
 [ ! -f "$DEST/gpu_vs_torch.py" ] || python3 "$DEST/gpu_vs_torch.py" --self-test

@@ -16,6 +16,8 @@
 //! elementwise kernels give the CPU's bits and the reductions differ only
 //! where their comments say.
 
+/// The choice of cuDNN algorithm per convolution geometry, without cuDNN.
+pub mod conv_algo;
 pub mod dnn;
 /// NCCL: the gradient all-reduce of data-parallel training on GPUs.
 #[cfg(feature = "nccl")]

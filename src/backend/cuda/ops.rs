@@ -199,18 +199,24 @@ fn launch_shape(
 /// (f32, elements): [`dnn::weight_regions_bytes`] (the weight in cuDNN's
 /// NHWC filter layout, plus its gradient in that layout for the backward,
 /// each aligned to [`dnn::WS_ALIGN`]) followed by cuDNN's own workspace for
-/// the pinned algorithms ([`dnn::FWD_ALGO`]; the larger of
-/// [`dnn::BWD_DATA_ALGO`] and [`dnn::BWD_FILTER_ALGO`]). cuDNN's part is
-/// asked of cuDNN when the device answers (the call asks the same question
-/// of the same descriptors, so the two agree); with no GPU here it is the
-/// documented bound [`CUDNN_DEFAULT_WORKSPACE`]. The planner's meta device
-/// calls this too, so it counts what the call will use.
-pub fn conv2d_workspace(ordinal: u32, g: &ConvGeom, pass: ConvPass) -> (DType, usize) {
-    let cudnn = state(ordinal)
-        .and_then(|st| dnn::query_cudnn_bytes(&st, g, pass))
-        .unwrap_or(CUDNN_DEFAULT_WORKSPACE);
+/// the algorithms chosen for the geometry ([`dnn::cudnn_workspace_bytes`]:
+/// the forward's; the larger of backward-data's and backward-filter's),
+/// cuDNN's exact answer, cached with the choice, so the call is given what
+/// the plan counted. A query that fails on a GPU that is here is an error
+/// naming the geometry. Only with no GPU here at all (planning for a card
+/// this machine lacks, which `setup::plan_device` announces) is cuDNN's
+/// part the documented bound [`CUDNN_DEFAULT_WORKSPACE`]. The planner's
+/// meta device calls this too, so it counts what the call will use.
+pub fn conv2d_workspace(ordinal: u32, g: &ConvGeom, pass: ConvPass) -> Result<(DType, usize)> {
+    let cudnn = match state(ordinal) {
+        Ok(st) => dnn::cudnn_workspace_bytes(&st, g, pass)?,
+        Err(Error::CudaUnavailable { .. }) if crate::device::cuda::no_gpu_here() => {
+            CUDNN_DEFAULT_WORKSPACE
+        }
+        Err(e) => return Err(e),
+    };
     let bytes = dnn::weight_regions_bytes(g, pass) + cudnn;
-    (DType::F32, bytes.div_ceil(4))
+    Ok((DType::F32, bytes.div_ceil(4)))
 }
 
 pub use dnn::CUDNN_DEFAULT_WORKSPACE;
@@ -288,27 +294,8 @@ fn transpose_weight(
     launch(st, "conv", name, hwio.numel(), &args)
 }
 
-fn raw<'a>(st: &'a State, addr: u64, bytes: usize) -> dnn::Raw<'a> {
-    dnn::Raw {
-        addr,
-        bytes,
-        stream: &st.core.stream,
-    }
-}
-
-fn raw_t<'a>(st: &'a State, t: &Tensor) -> dnn::Raw<'a> {
-    raw(st, t.device_address(), t.storage_bytes())
-}
-
-fn cudnn_call(op: &'static str) -> impl Fn(cudarc::cudnn::CudnnError) -> Error {
-    move |e| Error::Cuda {
-        op,
-        reason: format!("{e:?}"),
-    }
-}
-
-/// cuDNN forward with [`dnn::FWD_ALGO`] (alpha 1, beta 0: `y` overwritten)
-/// on the OHWI copy of `w` made in `ws`.
+/// cuDNN forward with the geometry's chosen algorithm (alpha 1, beta 0:
+/// `y` overwritten) on the OHWI copy of `w` made in `ws`.
 pub fn conv2d_forward(
     y: &mut Tensor,
     x: &Tensor,
@@ -320,34 +307,22 @@ pub fn conv2d_forward(
     let op = "conv2d_forward";
     conv_check(op, x, p)?;
     let st = state(ordinal(y)?)?;
-    let h = dnn::cudnn(&st)?;
-    let d = dnn::conv_descs(&h, g)?;
-    let need = dnn::cudnn_workspace_bytes(&d, ConvPass::Forward)?;
+    let need = dnn::cudnn_workspace_bytes(&st, g, ConvPass::Forward)?;
     let (cws, have) = cudnn_region(op, ws, g, ConvPass::Forward, need)?;
     let w_t = dnn::regions_base(ws.device_address());
     transpose_weight(&st, w_t, w, g, false)?;
-    let fwd = cudarc::cudnn::ConvForward {
-        conv: &d.conv,
-        x: &d.x,
-        w: &d.w,
-        y: &d.y,
-    };
-    let mut wsr = raw(&st, cws, have);
-    let mut yr = raw_t(&st, y);
-    // SAFETY: every address is pool storage on this device of the size the
-    // descriptors describe (from the same geometry), f32, NHWC; the handle
-    // is bound to the device's one stream, where the transpose ran first.
-    unsafe {
-        fwd.launch(
-            dnn::FWD_ALGO,
-            Some(&mut wsr),
-            (1.0f32, 0.0f32),
-            &raw_t(&st, x),
-            &raw(&st, w_t, w.storage_bytes()),
-            &mut yr,
-        )
-    }
-    .map_err(cudnn_call("cudnnConvolutionForward"))?;
+    // The transpose ran first on the same stream.
+    dnn::conv_forward(
+        &st,
+        g,
+        &dnn::ConvArgs {
+            x: x.device_address(),
+            w: w_t,
+            y: y.device_address(),
+            ws: cws,
+            ws_bytes: have,
+        },
+    )?;
     // As the CPU's bf16 convolution: its output comes back rounded.
     if p == Precision::BF16 {
         round(y, p)?;
@@ -355,10 +330,11 @@ pub fn conv2d_forward(
     Ok(())
 }
 
-/// cuDNN backward-data with [`dnn::BWD_DATA_ALGO`] into `dx` with beta = 1
-/// (accumulating, as the CPU's dgrad does), and backward-filter with
-/// [`dnn::BWD_FILTER_ALGO`] into the OHWI region of `ws` (beta = 0), then
-/// added into `dw` (HWIO) by `ohwi_add_to_hwio`.
+/// cuDNN backward-data with the geometry's chosen algorithm into `dx` with
+/// beta = 1 (accumulating, as the CPU's dgrad does), and backward-filter
+/// into the OHWI region of `ws` (beta = 0), then added into `dw` (HWIO)
+/// by `ohwi_add_to_hwio`. Under `--profile` the two halves are timed as
+/// conv dgrad and conv wgrad (host time: what enqueueing them costs).
 #[allow(clippy::too_many_arguments)]
 pub fn conv2d_backward(
     dx: Option<&mut Tensor>,
@@ -370,65 +346,51 @@ pub fn conv2d_backward(
     ws: &mut Tensor,
     p: Precision,
 ) -> Result<()> {
+    use crate::profile::{Family, timed};
     let op = "conv2d_backward";
     conv_check(op, x, p)?;
     let st = state(ordinal(dw)?)?;
-    let h = dnn::cudnn(&st)?;
-    let d = dnn::conv_descs(&h, g)?;
-    let need = dnn::cudnn_workspace_bytes(&d, ConvPass::Backward)?;
+    let need = dnn::cudnn_workspace_bytes(&st, g, ConvPass::Backward)?;
     let (cws, have) = cudnn_region(op, ws, g, ConvPass::Backward, need)?;
     let w_t = dnn::regions_base(ws.device_address());
     let dw_t = w_t + dnn::weight_region_bytes(g) as u64;
-    let w_bytes = w.storage_bytes();
     if let Some(dx) = dx {
-        transpose_weight(&st, w_t, w, g, false)?;
-        let data = cudarc::cudnn::ConvBackwardData {
-            conv: &d.conv,
-            dx: &d.x,
-            w: &d.w,
-            dy: &d.y,
-        };
-        let mut wsr = raw(&st, cws, have);
-        let mut dxr = raw_t(&st, dx);
-        // SAFETY: as in conv2d_forward.
-        unsafe {
-            data.launch(
-                dnn::BWD_DATA_ALGO,
-                Some(&mut wsr),
-                (1.0f32, 1.0f32),
-                &mut dxr,
-                &raw(&st, w_t, w_bytes),
-                &raw_t(&st, dy),
-            )
-        }
-        .map_err(cudnn_call("cudnnConvolutionBackwardData"))?;
-        // As the CPU's: dx (with what it accumulated) comes back rounded.
-        if p == Precision::BF16 {
-            round(dx, p)?;
-        }
+        timed(Family::ConvDgrad, 0, || -> Result<()> {
+            transpose_weight(&st, w_t, w, g, false)?;
+            dnn::conv_backward_data(
+                &st,
+                g,
+                &dnn::ConvArgs {
+                    x: dx.device_address(),
+                    w: w_t,
+                    y: dy.device_address(),
+                    ws: cws,
+                    ws_bytes: have,
+                },
+            )?;
+            // As the CPU's: dx (with what it accumulated) comes back rounded.
+            if p == Precision::BF16 {
+                round(dx, p)?;
+            }
+            Ok(())
+        })?;
     }
-    let filter = cudarc::cudnn::ConvBackwardFilter {
-        conv: &d.conv,
-        x: &d.x,
-        dw: &d.w,
-        dy: &d.y,
-    };
-    let mut wsr = raw(&st, cws, have);
-    let mut dwr = raw(&st, dw_t, w_bytes);
-    // SAFETY: as in conv2d_forward; the data pass before it is ordered on
-    // the same stream, so reusing the cuDNN region is safe.
-    unsafe {
-        filter.launch(
-            dnn::BWD_FILTER_ALGO,
-            Some(&mut wsr),
-            (1.0f32, 0.0f32),
-            &raw_t(&st, x),
-            &mut dwr,
-            &raw_t(&st, dy),
-        )
-    }
-    .map_err(cudnn_call("cudnnConvolutionBackwardFilter"))?;
-    transpose_weight(&st, dw_t, dw, g, true)
+    // The data pass before it is ordered on the same stream, so reusing
+    // the cuDNN region is safe.
+    timed(Family::ConvWgrad, 0, || -> Result<()> {
+        dnn::conv_backward_filter(
+            &st,
+            g,
+            &dnn::ConvArgs {
+                x: x.device_address(),
+                w: dw_t,
+                y: dy.device_address(),
+                ws: cws,
+                ws_bytes: have,
+            },
+        )?;
+        transpose_weight(&st, dw_t, dw, g, true)
+    })
 }
 
 /// cuBLAS's workspace from the pool of `t` ([`scratch::cublas_workspace`]),
