@@ -825,7 +825,11 @@ fn sigterm_saves_a_checkpoint_and_the_run_resumes() {
         .find_map(|l| l.strip_prefix("to resume: "))
         .unwrap_or_else(|| panic!("no resume command in:\n{err}"));
     let words: Vec<&str> = command.split(' ').collect();
-    assert_eq!(words[0], env!("CARGO_BIN_EXE_memfit"), "{command}");
+    assert_eq!(
+        words[0],
+        common::memfit_bin().to_str().unwrap(),
+        "{command}"
+    );
     assert_eq!(words[1..words.len() - 2], flags, "{command}");
     assert_eq!(words[words.len() - 2], "--resume", "{command}");
     let state = words[words.len() - 1];

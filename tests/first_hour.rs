@@ -104,7 +104,7 @@ fn metrics_survive_kill_9_and_a_resumed_run_writes_each_step_once() {
     ]
     .map(String::from)
     .to_vec();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_memfit"))
+    let mut child = Command::new(common::memfit_bin())
         .args(&flags)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
