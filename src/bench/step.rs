@@ -198,6 +198,13 @@ pub fn measure_steps_on(
             outln!(out, "{line}");
         }
     }
+    if resolved.precision == Precision::BF16 && pool.device() == crate::device::Device::Cpu {
+        outln!(
+            out,
+            "cpu bf16 arithmetic: {}",
+            crate::device::cpu::bf16_path()
+        );
+    }
     if let Some(note) = bf16_emulation_note(resolved.precision).filter(|_| comm.is_root()) {
         eprintln!("{note}");
     }

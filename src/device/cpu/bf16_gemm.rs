@@ -34,7 +34,7 @@ use super::{Lhs, PackedRhs, Rhs};
 use super::{bf16_bits_to_f32, f32_to_bf16, f32_to_bf16_bits, pair_to_bf16};
 
 const MR: usize = 8;
-const NR: usize = 32;
+pub(super) const NR: usize = 32;
 /// k elements per block (even): one block's A micro-panel is MR·KC/2 words.
 const KC: usize = 256;
 /// Most rows of `dst` per parallel task (fewer when `m` is small, so every
@@ -45,6 +45,25 @@ const MC_MAX: usize = 128;
 fn rows_per_task(m: usize) -> usize {
     let per = m.div_ceil(4 * rayon::current_num_threads().max(1));
     per.div_ceil(MR).clamp(1, MC_MAX / MR) * MR
+}
+
+/// k-pairs per packed panel of `b` are padded (with zeros) to a multiple
+/// of this: the AMX kernel ([`super::amx`]) reads B tiles of 16 k-pairs.
+const PAIR_ALIGN: usize = 16;
+
+/// k-pair rows in each NR-column panel of a packed (k, n) `b`: ⌈k/2⌉
+/// rounded up to [`PAIR_ALIGN`] (the padding rows are zero).
+pub(super) fn panel_pairs(k: usize) -> usize {
+    k.div_ceil(2).next_multiple_of(PAIR_ALIGN)
+}
+
+/// Which bf16 micro-kernel [`gemm_bf16_kernel`] runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Kernel {
+    /// `vdpbf16ps`, MR×NR register tiles (this file).
+    Avx512Bf16,
+    /// `tdpbf16ps`, 32×32 blocks of AMX tiles ([`super::amx`]).
+    Amx,
 }
 
 /// Whether this CPU runs the kernel (AVX-512F and AVX512-BF16).
@@ -133,15 +152,15 @@ pub fn pack_rhs(b: MatRef<'_>) -> PackedRhs {
 /// The CPU must have AVX-512F ([`available`]).
 #[target_feature(enable = "avx512f")]
 unsafe fn pack_b(b: MatRef<'_>) -> Vec<u32> {
-    let mut out = take_words(b.rows.div_ceil(2) * b.cols.div_ceil(NR) * NR);
+    let mut out = take_words(panel_pairs(b.rows) * b.cols.div_ceil(NR) * NR);
     // SAFETY: as this function's.
     unsafe { pack_b_into(&mut out, b) };
     out
 }
 
-/// Packs all of `b` (k, n) into `out` (⌈k/2⌉·⌈n/NR⌉·NR words): for each
-/// NR-column panel, for each k-pair, NR words. Columns past `n` and the odd
-/// k tail are zero. Every word is written, so `out`'s previous contents do
+/// Packs all of `b` (k, n) into `out` ([`panel_pairs`]·⌈n/NR⌉·NR words):
+/// for each NR-column panel, for each k-pair, NR words. Columns past `n`,
+/// the odd k tail and the padding pairs past ⌈k/2⌉ are zero. Every word is written, so `out`'s previous contents do
 /// not matter. The inner loops run along whichever direction of `b` is
 /// contiguous, so they vectorise.
 ///
@@ -151,11 +170,14 @@ unsafe fn pack_b(b: MatRef<'_>) -> Vec<u32> {
 unsafe fn pack_b_into(out: &mut [u32], b: MatRef<'_>) {
     let (k, n) = (b.rows, b.cols);
     let (pairs, panels) = (k.div_ceil(2), n.div_ceil(NR));
-    assert_eq!(out.len(), panels * pairs * NR, "pack_b: buffer length");
+    let pitch = panel_pairs(k) * NR;
+    assert_eq!(out.len(), panels * pitch, "pack_b: buffer length");
     let d = b.data;
-    out.par_chunks_mut(pairs * NR)
+    out.par_chunks_mut(pitch)
         .enumerate()
         .for_each(|(panel, words)| {
+            let (words, padding) = words.split_at_mut(pairs * NR);
+            padding.fill(0);
             let j0 = panel * NR;
             let nw = NR.min(n - j0);
             if nw < NR {
@@ -432,11 +454,31 @@ unsafe fn micro_kernel(
 /// `round_output` the result is rounded to bf16 as it is stored (the whole
 /// sum, `dst`'s previous value included when accumulating).
 ///
+/// The kernel is the one [`super::bf16_path`] names (AMX where the CPU has
+/// it, unless `MEMFIT_CPU_BF16` says otherwise).
+///
 /// Panics when the CPU lacks the instructions ([`available`]) or the
 /// operands do not fit their slices; callers check both, so neither is user
 /// input.
 pub fn gemm_bf16_lhs(dst: &mut [f32], a: Lhs<'_>, b: Rhs<'_>, acc: Accumulate, round_output: bool) {
+    gemm_bf16_kernel(super::bf16_kernel(), dst, a, b, acc, round_output)
+}
+
+/// [`gemm_bf16_lhs`] on the given micro-kernel (the tests compare them).
+///
+/// Panics when the CPU lacks the kernel's instructions.
+pub(super) fn gemm_bf16_kernel(
+    kernel: Kernel,
+    dst: &mut [f32],
+    a: Lhs<'_>,
+    b: Rhs<'_>,
+    acc: Accumulate,
+    round_output: bool,
+) {
     assert!(available(), "gemm_bf16: CPU lacks AVX512-BF16");
+    if kernel == Kernel::Amx {
+        assert!(super::amx::available(), "gemm_bf16: CPU lacks AMX-BF16");
+    }
     let ((m, k), (kb, n)) = (a.dims(), b.dims());
     assert_eq!(kb, k, "gemm_bf16: inner dimensions");
     assert!(dst.len() >= m * n, "gemm_bf16: dst too small");
@@ -470,7 +512,12 @@ pub fn gemm_bf16_lhs(dst: &mut [f32], a: Lhs<'_>, b: Rhs<'_>, acc: Accumulate, r
         }
         Rhs::Packed(p) => &p.words,
     };
+    if kernel == Kernel::Amx {
+        super::amx::gemm(dst, a, bp, k, n, overwrite, round_output);
+        return;
+    }
     let (pairs, panels) = (k.div_ceil(2), n.div_ceil(NR));
+    let pitch = panel_pairs(k) * NR;
     let mc_task = rows_per_task(m);
     dst[..m * n]
         .par_chunks_mut(mc_task * n)
@@ -540,7 +587,7 @@ pub fn gemm_bf16_lhs(dst: &mut [f32], a: Lhs<'_>, b: Rhs<'_>, acc: Accumulate, r
                     for panel in 0..panels {
                         let j0 = panel * NR;
                         let nw = NR.min(n - j0);
-                        let bpanel = &bp[panel * pairs * NR + (p0 / 2) * NR..][..kc2 * NR];
+                        let bpanel = &bp[panel * pitch + (p0 / 2) * NR..][..kc2 * NR];
                         if rows == MR && nw == NR {
                             let c = drows[r0 * n + j0..].as_mut_ptr();
                             // SAFETY: `available()` was asserted; the A
@@ -584,8 +631,25 @@ pub fn gemm_bf16_lhs(dst: &mut [f32], a: Lhs<'_>, b: Rhs<'_>, acc: Accumulate, r
 mod tests {
     use super::*;
 
+    /// This file's kernel (AMX has its own tests, in `amx.rs`).
     fn gemm_bf16(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, acc: Accumulate) {
-        gemm_bf16_lhs(dst, Lhs::F32(a), Rhs::F32(b), acc, false)
+        gemm_bf16_kernel(
+            Kernel::Avx512Bf16,
+            dst,
+            Lhs::F32(a),
+            Rhs::F32(b),
+            acc,
+            false,
+        )
+    }
+
+    /// The kernels this CPU runs: the bit-equality tests run on each.
+    fn kernels() -> Vec<Kernel> {
+        let mut all = vec![Kernel::Avx512Bf16];
+        if super::super::amx::available() {
+            all.push(Kernel::Amx);
+        }
+        all
     }
 
     fn round_bf16(v: f32) -> f32 {
@@ -664,29 +728,43 @@ mod tests {
             return;
         }
         // Odd k (the zero tail of a column-contiguous pack), ragged n.
-        for &(m, k, n) in &[(19, 37, 45), (64, 300, 32)] {
-            let a: Vec<f32> = (0..m * k)
-                .map(|i| ((i * 31 % 101) as f32 - 50.0) / 9.0)
-                .collect();
-            let b: Vec<f32> = (0..k * n)
-                .map(|i| ((i * 17 % 89) as f32 - 44.0) / 7.0)
-                .collect();
-            for tb in [false, true] {
-                let bv = MatRef::test_view(&b, k, n, tb);
-                let av = MatRef::row_major(&a, m, k);
-                let mut want = vec![0.5f32; m * n];
-                gemm_bf16_lhs(&mut want, Lhs::F32(av), Rhs::F32(bv), Accumulate::Yes, true);
-                let packed = pack_rhs(bv);
-                let mut got = vec![0.5f32; m * n];
-                gemm_bf16_lhs(
-                    &mut got,
-                    Lhs::F32(av),
-                    Rhs::Packed(&packed),
-                    Accumulate::Yes,
-                    true,
-                );
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&got), bits(&want), "{m}x{k}x{n} transposed {tb}");
+        for kernel in kernels() {
+            for &(m, k, n) in &[(19, 37, 45), (64, 300, 32)] {
+                let a: Vec<f32> = (0..m * k)
+                    .map(|i| ((i * 31 % 101) as f32 - 50.0) / 9.0)
+                    .collect();
+                let b: Vec<f32> = (0..k * n)
+                    .map(|i| ((i * 17 % 89) as f32 - 44.0) / 7.0)
+                    .collect();
+                for tb in [false, true] {
+                    let bv = MatRef::test_view(&b, k, n, tb);
+                    let av = MatRef::row_major(&a, m, k);
+                    let mut want = vec![0.5f32; m * n];
+                    gemm_bf16_kernel(
+                        kernel,
+                        &mut want,
+                        Lhs::F32(av),
+                        Rhs::F32(bv),
+                        Accumulate::Yes,
+                        true,
+                    );
+                    let packed = pack_rhs(bv);
+                    let mut got = vec![0.5f32; m * n];
+                    gemm_bf16_kernel(
+                        kernel,
+                        &mut got,
+                        Lhs::F32(av),
+                        Rhs::Packed(&packed),
+                        Accumulate::Yes,
+                        true,
+                    );
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "{kernel:?} {m}x{k}x{n} transposed {tb}"
+                    );
+                }
             }
         }
     }
@@ -713,7 +791,7 @@ mod tests {
             cs: 2,
         };
         for bv in [rowm, colm, strided] {
-            let len = bv.rows.div_ceil(2) * bv.cols.div_ceil(NR) * NR;
+            let len = panel_pairs(bv.rows) * bv.cols.div_ceil(NR) * NR;
             let mut fresh = vec![0u32; len];
             let mut stale = vec![u32::MAX; len];
             // SAFETY: `available()` was checked.
@@ -744,25 +822,39 @@ mod tests {
         }
         // Ragged edges and k over several blocks; sums that cancel to zero
         // (the -0 question) from the repeating values.
-        for &(m, k, n) in &[(9, 3, 33), (37, 515, 23), (64, 256, 64)] {
-            let a: Vec<f32> = (0..m * k).map(|i| ((i % 5) as f32 - 2.0) / 4.0).collect();
-            let b: Vec<f32> = (0..k * n)
-                .map(|i| ((i * 7 % 9) as f32 - 4.0) / 8.0)
-                .collect();
-            let (av, bv) = (MatRef::row_major(&a, m, k), MatRef::row_major(&b, k, n));
-            for round in [false, true] {
-                let mut want = vec![0.0f32; m * n];
-                gemm_bf16_lhs(
-                    &mut want,
-                    Lhs::F32(av),
-                    Rhs::F32(bv),
-                    Accumulate::Yes,
-                    round,
-                );
-                let mut got = vec![f32::NAN; m * n];
-                gemm_bf16_lhs(&mut got, Lhs::F32(av), Rhs::F32(bv), Accumulate::No, round);
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&got), bits(&want), "{m}x{k}x{n} round {round}");
+        for kernel in kernels() {
+            for &(m, k, n) in &[(9, 3, 33), (37, 515, 23), (64, 256, 64)] {
+                let a: Vec<f32> = (0..m * k).map(|i| ((i % 5) as f32 - 2.0) / 4.0).collect();
+                let b: Vec<f32> = (0..k * n)
+                    .map(|i| ((i * 7 % 9) as f32 - 4.0) / 8.0)
+                    .collect();
+                let (av, bv) = (MatRef::row_major(&a, m, k), MatRef::row_major(&b, k, n));
+                for round in [false, true] {
+                    let mut want = vec![0.0f32; m * n];
+                    gemm_bf16_kernel(
+                        kernel,
+                        &mut want,
+                        Lhs::F32(av),
+                        Rhs::F32(bv),
+                        Accumulate::Yes,
+                        round,
+                    );
+                    let mut got = vec![f32::NAN; m * n];
+                    gemm_bf16_kernel(
+                        kernel,
+                        &mut got,
+                        Lhs::F32(av),
+                        Rhs::F32(bv),
+                        Accumulate::No,
+                        round,
+                    );
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "{kernel:?} {m}x{k}x{n} round {round}"
+                    );
+                }
             }
         }
     }

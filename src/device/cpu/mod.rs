@@ -1,10 +1,14 @@
-//! CPU backend: GEMM through the `gemm` crate (f32) or our AVX512-BF16
-//! kernel (bf16 mode), threads through rayon.
+//! CPU backend: GEMM through the `gemm` crate (f32) or our bf16 kernels
+//! (bf16 mode: AMX or AVX512-BF16, [`bf16_path`]), threads through rayon.
 
+#[cfg(target_arch = "x86_64")]
+mod amx;
 mod bf16_convert;
 #[cfg(target_arch = "x86_64")]
 mod bf16_gemm;
 mod gemm;
+
+use std::sync::OnceLock;
 
 pub use self::bf16_convert::{
     bf16_bits_to_f32, bf16_to_f32, f32_to_bf16, f32_to_bf16_bits, pair_to_bf16, round_to_bf16,
@@ -13,12 +17,131 @@ pub use self::bf16_convert::{
 pub use self::gemm::{Accumulate, MatRef, gemm_f32};
 
 #[cfg(target_arch = "x86_64")]
-pub use self::bf16_gemm::{available as bf16_gemm_available, gemm_bf16_lhs, pack_rhs};
+pub use self::bf16_gemm::{gemm_bf16_lhs, pack_rhs};
 
-/// No bf16 kernel off x86-64: bf16 mode runs the f32 GEMM.
-#[cfg(not(target_arch = "x86_64"))]
+/// The arithmetic the CPU runs the bf16 mode's GEMMs in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Bf16Path {
+    /// AMX tiles, `tdpbf16ps` ([`amx`]).
+    Amx,
+    /// AVX512-BF16 vectors, `vdpbf16ps` ([`bf16_gemm`]).
+    Avx512Bf16,
+    /// The f32 GEMM on operands already rounded to bf16: the same values,
+    /// no speed-up.
+    F32,
+}
+
+impl Bf16Path {
+    /// The value of `MEMFIT_CPU_BF16` that forces this path.
+    pub fn name(self) -> &'static str {
+        match self {
+            Bf16Path::Amx => "amx",
+            Bf16Path::Avx512Bf16 => "avx512bf16",
+            Bf16Path::F32 => "f32",
+        }
+    }
+
+    /// The path and its instruction, as `bench step` prints it.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Bf16Path::Amx => "amx (tdpbf16ps)",
+            Bf16Path::Avx512Bf16 => "avx512bf16 (vdpbf16ps)",
+            Bf16Path::F32 => "f32 (f32 products of bf16-rounded operands)",
+        }
+    }
+}
+
+/// The env var that forces a bf16 path: `amx`, `avx512bf16` or `f32`
+/// (unset, empty or `auto`: the fastest the CPU has).
+pub const BF16_PATH_VAR: &str = "MEMFIT_CPU_BF16";
+
+/// The path for a `MEMFIT_CPU_BF16` value on a CPU with (`amx`,
+/// `avx512bf16`) of the instructions, and the warning to print when the
+/// request cannot be honoured. An unknown value, or a path this CPU lacks,
+/// is not an error: the warning names it and the automatic choice runs
+/// (a forced path is a benchmarking aid, and falling back changes speed,
+/// never results beyond the stated tolerances).
+pub fn choose_bf16_path(
+    request: Option<&str>,
+    amx: bool,
+    avx512bf16: bool,
+) -> (Bf16Path, Option<String>) {
+    let auto = if amx {
+        Bf16Path::Amx
+    } else if avx512bf16 {
+        Bf16Path::Avx512Bf16
+    } else {
+        Bf16Path::F32
+    };
+    let wanted = match request.map(str::trim) {
+        None | Some("") | Some("auto") => return (auto, None),
+        Some("amx") => Bf16Path::Amx,
+        Some("avx512bf16") => Bf16Path::Avx512Bf16,
+        Some("f32") => Bf16Path::F32,
+        Some(other) => {
+            return (
+                auto,
+                Some(format!(
+                    "warning: {BF16_PATH_VAR}={other:?} is not one of amx, avx512bf16, f32, auto; using {}",
+                    auto.name()
+                )),
+            );
+        }
+    };
+    let present = match wanted {
+        Bf16Path::Amx => amx,
+        Bf16Path::Avx512Bf16 => avx512bf16,
+        Bf16Path::F32 => true,
+    };
+    if present {
+        (wanted, None)
+    } else {
+        let warning = format!(
+            "warning: {BF16_PATH_VAR}={}: this CPU (or OS) does not run it; using {}",
+            wanted.name(),
+            auto.name()
+        );
+        (auto, Some(warning))
+    }
+}
+
+/// The bf16 path of this process: chosen once, from the CPU and
+/// `MEMFIT_CPU_BF16` (a warning on stderr the first time when that cannot
+/// be honoured, [`choose_bf16_path`]).
+pub fn bf16_path_kind() -> Bf16Path {
+    static PATH: OnceLock<Bf16Path> = OnceLock::new();
+    *PATH.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        let (amx, avx) = (amx::available(), bf16_gemm::available());
+        #[cfg(not(target_arch = "x86_64"))]
+        let (amx, avx) = (false, false);
+        let request = std::env::var(BF16_PATH_VAR).ok();
+        let (path, warning) = choose_bf16_path(request.as_deref(), amx, avx);
+        if let Some(w) = warning {
+            eprintln!("{w}");
+        }
+        path
+    })
+}
+
+/// [`bf16_path_kind`] in words, e.g. `amx (tdpbf16ps)`.
+pub fn bf16_path() -> &'static str {
+    bf16_path_kind().describe()
+}
+
+/// Whether bf16 GEMMs run a native bf16 kernel here (AMX or AVX512-BF16).
 pub fn bf16_gemm_available() -> bool {
-    false
+    bf16_path_kind() != Bf16Path::F32
+}
+
+/// The micro-kernel of [`gemm_bf16_lhs`]: AMX on that path, else
+/// AVX512-BF16.
+#[cfg(target_arch = "x86_64")]
+fn bf16_kernel() -> bf16_gemm::Kernel {
+    match bf16_path_kind() {
+        Bf16Path::Amx => bf16_gemm::Kernel::Amx,
+        Bf16Path::Avx512Bf16 | Bf16Path::F32 => bf16_gemm::Kernel::Avx512Bf16,
+    }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -108,8 +231,9 @@ impl Lhs<'_> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GemmMath {
     F32,
-    /// bf16 products, f32 accumulation: the AVX512-BF16 kernel where the
-    /// CPU has it, else the f32 GEMM on the (already rounded) operands.
+    /// bf16 products, f32 accumulation: the AMX or AVX512-BF16 kernel where
+    /// the CPU has it ([`bf16_path`]), else the f32 GEMM on the (already
+    /// rounded) operands.
     Bf16,
 }
 
@@ -138,5 +262,28 @@ pub fn gemm_bf16_rounded(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, acc: Acc
     } else {
         gemm_f32(dst, a, b, acc);
         round_to_bf16(&mut dst[..a.rows * b.cols]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bf16_path_follows_the_cpu_and_the_env_var() {
+        use Bf16Path::*;
+        let pick = |req, amx, avx| choose_bf16_path(req, amx, avx);
+        assert_eq!(pick(None, true, true), (Amx, None));
+        assert_eq!(pick(Some("auto"), false, true), (Avx512Bf16, None));
+        assert_eq!(pick(None, false, false), (F32, None));
+        assert_eq!(pick(Some("avx512bf16"), true, true), (Avx512Bf16, None));
+        assert_eq!(pick(Some("f32"), true, true), (F32, None));
+        // What the CPU cannot run, or a typo: the automatic path, warned.
+        let (path, warning) = pick(Some("amx"), false, true);
+        assert_eq!(path, Avx512Bf16);
+        assert!(warning.unwrap().contains("MEMFIT_CPU_BF16=amx"));
+        let (path, warning) = pick(Some("AMX!"), true, true);
+        assert_eq!(path, Amx);
+        assert!(warning.unwrap().contains("not one of"));
     }
 }
