@@ -480,8 +480,8 @@ fn cvt(c: Cvt, v: u64) -> u64 {
             (64, true) => (sext(v, from) as f64).to_bits(),
             (64, false) => (zext(v, from) as f64).to_bits(),
             // Exact in f64 below 2^53; above, f16 overflows anyway.
-            (_, true) => half::f16::from_f64(sext(v, from) as f64).to_bits() as u64,
-            (_, false) => half::f16::from_f64(zext(v, from) as f64).to_bits() as u64,
+            (_, true) => f64_to_f16(sext(v, from) as f64) as u64,
+            (_, false) => f64_to_f16(zext(v, from) as f64) as u64,
         },
         Cvt::FI {
             from,
@@ -519,7 +519,7 @@ fn cvt(c: Cvt, v: u64) -> u64 {
                 if x.is_nan() {
                     0x7FFF
                 } else {
-                    half::f16::from_f64(x).to_bits() as u64
+                    f64_to_f16(x) as u64
                 }
             }
             (32, 32) => c32(round(f32_of(v) as f64, rnd) as f32),
@@ -530,11 +530,27 @@ fn cvt(c: Cvt, v: u64) -> u64 {
                 if x.is_nan() {
                     0x7FFF
                 } else {
-                    half::f16::from_f64(x).to_bits() as u64
+                    f64_to_f16(x) as u64
                 }
             }
         },
     }
+}
+
+/// f64 to f16 bits, rounded once to nearest even (the half crate may go
+/// through f32 and round twice). Not for NaN.
+fn f64_to_f16(x: f64) -> u16 {
+    let sign = ((x.to_bits() >> 48) & 0x8000) as u16;
+    let a = x.abs();
+    if a >= 65520.0 {
+        return sign | 0x7C00;
+    }
+    // The f16 quantum at a: 2^-24 for subnormals, else 2^(exponent - 10).
+    let e = ((a.to_bits() >> 52) & 0x7FF) as i32 - 1023;
+    let q = 2f64.powi(if e < -14 { -24 } else { e - 10 });
+    // Scaling by a power of two is exact; the product is an f16 value.
+    let v = (a / q).round_ties_even() * q;
+    sign | half::f16::from_f32(v as f32).to_bits()
 }
 
 fn prmt(a: u64, b: u64, sel: u64) -> u64 {
@@ -576,7 +592,7 @@ impl Cx<'_> {
                 len.saturating_sub(self.static_shared)
             ));
         }
-        if addr % size as u64 != 0 {
+        if !addr.is_multiple_of(size as u64) {
             return Err(format!(
                 "misaligned shared {what} of {size} bytes at shared offset 0x{addr:x}"
             ));
@@ -786,7 +802,7 @@ fn run(k: &Kernel, r: &mut [u64], pc: &mut usize, cx: &mut Cx) -> Result<Stop, S
                 let sz = size as usize;
                 match space {
                     Space::Global => {
-                        if addr % size as u64 != 0 {
+                        if !addr.is_multiple_of(size as u64) {
                             *pc = cur;
                             break Err(format!(
                                 "misaligned global load of {size} bytes at 0x{addr:x}"
@@ -814,7 +830,7 @@ fn run(k: &Kernel, r: &mut [u64], pc: &mut usize, cx: &mut Cx) -> Result<Stop, S
                 let sz = size as usize;
                 match space {
                     Space::Global => {
-                        if addr % size as u64 != 0 {
+                        if !addr.is_multiple_of(size as u64) {
                             *pc = cur;
                             break Err(format!(
                                 "misaligned global store of {size} bytes at 0x{addr:x}"

@@ -760,7 +760,9 @@ impl Parser {
                 }
                 Kind::Text => {
                     let t = s.text.as_str();
-                    if t.starts_with(".reg") {
+                    if t.is_empty() {
+                        // A lone `;`.
+                    } else if t.starts_with(".reg") {
                         f.declare(s.line, t)?;
                     } else if t.starts_with(".shared") || t.starts_with(".extern") {
                         let (name, align, bytes) = shared_decl(t).ok_or_else(|| {
@@ -1032,15 +1034,15 @@ impl FnParser {
             };
             return Ok(self.constant(bits));
         }
-        if s.contains('.') || s.contains('e') {
-            if let (Ok(f), Ty::F(_)) = (s.parse::<f64>(), ty) {
-                let bits = if ty == Ty::F(32) {
-                    (f as f32).to_bits() as u64
-                } else {
-                    f.to_bits()
-                };
-                return Ok(self.constant(bits));
-            }
+        if (s.contains('.') || s.contains('e'))
+            && let (Ok(f), Ty::F(_)) = (s.parse::<f64>(), ty)
+        {
+            let bits = if ty == Ty::F(32) {
+                (f as f32).to_bits() as u64
+            } else {
+                f.to_bits()
+            };
+            return Ok(self.constant(bits));
         }
         if is_ident(s) {
             if self.params.contains_key(s) {
