@@ -331,7 +331,7 @@ fn statements(ptx: &str) -> Vec<Stmt> {
                     out.push(Stmt {
                         line: start,
                         kind: Kind::Text,
-                        text: buf.trim().to_string(),
+                        text: squash(&buf),
                     });
                     buf.clear();
                 }
@@ -349,7 +349,7 @@ fn statements(ptx: &str) -> Vec<Stmt> {
                         out.push(Stmt {
                             line: start,
                             kind: Kind::Text,
-                            text: buf.trim().to_string(),
+                            text: squash(&buf),
                         });
                         buf.clear();
                     }
@@ -373,7 +373,7 @@ fn statements(ptx: &str) -> Vec<Stmt> {
                     out.push(Stmt {
                         line: start,
                         kind: Kind::Label,
-                        text: buf.trim().to_string(),
+                        text: squash(&buf),
                     });
                     buf.clear();
                 }
@@ -386,10 +386,15 @@ fn statements(ptx: &str) -> Vec<Stmt> {
         out.push(Stmt {
             line: start,
             kind: Kind::Text,
-            text: buf.trim().to_string(),
+            text: squash(&buf),
         });
     }
     out
+}
+
+/// A statement with its whitespace runs made single spaces.
+fn squash(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
 fn is_ident(s: &str) -> bool {

@@ -145,6 +145,7 @@ fn the_real_reduction_without_its_barriers_is_a_race() {
     assert_eq!(f.kernel, "sum_squares_partial");
     assert!(f.what.contains("shared-memory race"), "{f}");
     assert!(f.instruction.contains(".shared"), "{f}");
+    eprintln!("{f}");
 }
 
 #[test]
@@ -179,6 +180,7 @@ fn an_out_of_bounds_read_names_kernel_thread_and_address() {
         s.starts_with("kernel bias_rows, block (0,0,0), thread (10,0,0), line "),
         "{s}"
     );
+    eprintln!("{s}");
 }
 
 const COPY: &str = r#"
