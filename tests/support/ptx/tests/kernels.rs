@@ -389,3 +389,69 @@ fn throughput_on_a_million_elements() {
     );
     assert_eq!(mem.u16s(out)[5], bf16_formula(y[5]));
 }
+
+/// The C parameter list of each `extern "C" __global__` kernel in a source.
+fn signatures(src: &str) -> Vec<(String, Vec<String>)> {
+    let key = "extern \"C\" __global__ void ";
+    let mut out = Vec::new();
+    for (i, _) in src.match_indices(key) {
+        let rest = &src[i + key.len()..];
+        let open = rest.find('(').unwrap();
+        let close = rest.find(')').unwrap();
+        let params = rest[open + 1..close]
+            .split(',')
+            .map(|p| p.split_whitespace().collect::<Vec<_>>().join(" "))
+            .collect();
+        out.push((rest[..open].trim().to_string(), params));
+    }
+    out
+}
+
+/// Every kernel of every source runs, on small made-up arguments (sizes 3,
+/// pointers to generous buffers of small values), without a fault: a smoke
+/// test of the interpreter over all the PTX the backend has.
+#[test]
+fn every_kernel_runs_on_small_arguments() {
+    let Some(nv) = Nvrtc::load() else { return };
+    let opts = memfit_ptx::LaunchOptions {
+        instruction_budget: 1 << 26,
+        ..Default::default()
+    };
+    let mut ran = 0;
+    for (name, src) in kernel_sources() {
+        for arch in ["compute_75", "compute_90"] {
+            let m = Module::parse(&nv.compile(&name, &src, arch)).unwrap();
+            for (kname, cparams) in signatures(&src) {
+                let k = m
+                    .kernel(&kname)
+                    .unwrap_or_else(|| panic!("{kname} in {name}"));
+                assert_eq!(k.params().len(), cparams.len(), "{kname}");
+                let mut mem = VecMemory::default();
+                let vals: Vec<f32> = (0..16384).map(|i| (i % 5) as f32 * 0.25 + 0.5).collect();
+                let params: Vec<Vec<u8>> = cparams
+                    .iter()
+                    .map(|p| {
+                        if p.contains('*') {
+                            p64(mem.upload_f32(&vals))
+                        } else if p.starts_with("long long") {
+                            p64(3)
+                        } else if p.starts_with("float") {
+                            pf32(0.5)
+                        } else if p.starts_with("int") || p.starts_with("unsigned") {
+                            p32(if p.ends_with("round") { 0 } else { 3 })
+                        } else if p.starts_with("double") {
+                            0.5f64.to_le_bytes().to_vec()
+                        } else {
+                            panic!("{kname}: parameter `{p}`")
+                        }
+                    })
+                    .collect();
+                let block = if k.static_shared_bytes() > 0 { 256 } else { 64 };
+                memfit_ptx::launch_with(k, [2, 1, 1], [block, 1, 1], 0, &params, &mut mem, &opts)
+                    .unwrap_or_else(|f| panic!("{arch}: {f}"));
+                ran += 1;
+            }
+        }
+    }
+    eprintln!("{ran} kernel launches");
+}
