@@ -56,6 +56,38 @@
 //! * An instruction budget per launch ([`LaunchOptions::instruction_budget`],
 //!   default 2^36) turns a runaway loop into a [`Fault`].
 //!
+//! Registers start at zero at the start of a launch; a thread slot's
+//! registers are not cleared between blocks (PTX leaves unwritten
+//! registers undefined; NVRTC's code never reads one). Instruction counts
+//! include instructions whose guard predicate was false.
+//!
+//! # Supported PTX
+//!
+//! What NVRTC 13 emits for memfit's kernels at `compute_75` and
+//! `compute_90` (both give the same instruction set):
+//!
+//! * directives: `.version`, `.target`, `.address_size 64`, `[.visible]
+//!   .entry name(.param ...)` (scalar and `.align N .b8 name[M]`
+//!   parameters), `.maxntid` / `.reqntid` (checked at launch),
+//!   `.minnctapersm` / `.maxnreg` (ignored), `.reg` (including `%r<N>` and
+//!   the `{ .reg .b32 %temp; ... }` scopes), `.shared` (module or kernel
+//!   level, static), `.extern .shared name[]` (dynamic), `.pragma`, labels,
+//!   `//` and `/* */` comments;
+//! * integers (16/32/64 bits): `add sub mul.lo mul.hi mul.wide mad.lo
+//!   mad.wide div rem min max neg abs not and or xor shl shr`;
+//! * f32/f64: `add sub mul` (`.rn` or none), `fma.rn div.rn sqrt.rn rcp.rn
+//!   rcp.approx.ftz.f64 abs neg min max`;
+//! * `cvt` between u8..u64/s8..s64/f16/f32/f64 (`.rn` to a float, `.rni
+//!   .rzi .rmi .rpi` to an integer or a same-size float), `setp` (every
+//!   integer, unsigned and ordered/unordered float comparison), `selp`,
+//!   `and/or/xor/not.pred`, `mov` (registers, immediates, special
+//!   registers %tid/%ntid/%ctaid/%nctaid, shared symbol addresses, `{a, b}`
+//!   pack/unpack), `prmt.b32` (default mode);
+//! * `ld`/`st` `.global` / `.shared` (`[reg]`, `[reg+imm]`, `[symbol+imm]`;
+//!   cache hints such as `.nc` accepted), `ld.param`, `cvta.to.global.u64`,
+//!   `bar.sync 0` / `barrier.sync 0`, `bra[.uni]`, `@p` / `@!p` guards,
+//!   `ret` / `exit`.
+//!
 //! # Not modelled
 //!
 //! Warps and anything warp-level (shuffles, votes, `activemask`, warp
