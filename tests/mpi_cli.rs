@@ -30,11 +30,46 @@ fn mpirun_available() -> bool {
     found
 }
 
+/// A private Open MPI session directory for one launch. The tests run in
+/// parallel, and two `mpirun`s creating `/tmp/ompi.<host>.<uid>` at the same
+/// moment make one fail with "mkdir ... File exists" (Open MPI 4's
+/// session_dir.c); each launch gets its own base instead. The name is kept
+/// short because Open MPI puts Unix sockets under it (108-byte limit).
+struct OmpiTmp(std::path::PathBuf);
+
+impl OmpiTmp {
+    fn new() -> Self {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "mfo-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).expect("creating an Open MPI session directory");
+        OmpiTmp(dir)
+    }
+
+    /// Points `cmd` (and the processes it starts) at this directory.
+    fn apply<'c>(&self, cmd: &'c mut Command) -> &'c mut Command {
+        cmd.env("TMPDIR", &self.0)
+            .env("OMPI_MCA_orte_tmpdir_base", &self.0)
+    }
+}
+
+impl Drop for OmpiTmp {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// `mpirun` with the flags this machine needs (root, loopback, no binding
 /// for threaded ranks), then `args`, in `dir`, killed after `limit`.
 fn mpirun(dir: &Path, args: &[&str], limit: Duration) -> (Output, Duration) {
     let start = Instant::now();
-    let out = Command::new("timeout")
+    let session = OmpiTmp::new();
+    let out = session
+        .apply(&mut Command::new("timeout"))
         .arg(limit.as_secs().to_string())
         .args([
             "mpirun",
@@ -335,7 +370,9 @@ fn bench_scaling_tables_one_and_two_processes() {
         return;
     }
     let dir = TempDir::new("mpi-scaling");
-    let out = Command::new(bin())
+    let session = OmpiTmp::new();
+    let out = session
+        .apply(&mut Command::new(bin()))
         .args([
             "bench",
             "scaling",
