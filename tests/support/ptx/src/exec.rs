@@ -567,6 +567,48 @@ fn prmt(a: u64, b: u64, sel: u64) -> u64 {
     out as u64
 }
 
+/// `bfi.b{w}` as the PTX ISA defines it: bits [pos, pos + len) of `base`
+/// (those below w) replaced by the low bits of `insert`; pos and len are
+/// the low bytes of their operands.
+fn bfi(insert: u64, base: u64, pos: u64, len: u64, w: u8) -> u64 {
+    let (pos, len) = ((pos & 0xFF) as u32, (len & 0xFF) as u32);
+    let mut f = zext(base, w);
+    for i in 0..len {
+        if pos + i >= w as u32 {
+            break;
+        }
+        let bit = (insert >> i) & 1;
+        f = (f & !(1 << (pos + i))) | (bit << (pos + i));
+    }
+    f
+}
+
+/// `bfe.{u,s}{w}` as the PTX ISA defines it: the `len` bits of `a` from
+/// `pos`, the rest filled with the field's top bit (signed) or zeros; a
+/// zero length gives zero.
+fn bfe(a: u64, pos: u64, len: u64, w: u8, signed: bool) -> u64 {
+    let (pos, len) = ((pos & 0xFF) as u32, (len & 0xFF) as u32);
+    let msb = w as u32 - 1;
+    if len == 0 {
+        return 0;
+    }
+    let sbit = if signed {
+        (a >> (pos + len - 1).min(msb)) & 1
+    } else {
+        0
+    };
+    let mut d = 0u64;
+    for i in 0..=msb {
+        let bit = if i < len && pos + i <= msb {
+            (a >> (pos + i)) & 1
+        } else {
+            sbit
+        };
+        d |= bit << i;
+    }
+    d
+}
+
 fn flush64(x: f64) -> f64 {
     if x.is_subnormal() {
         0.0f64.copysign(x)
@@ -796,6 +838,8 @@ fn run(k: &Kernel, r: &mut [u64], pc: &mut usize, cx: &mut Cx) -> Result<Stop, S
                 r[a] = zext(v >> h, h);
             }
             Op::Prmt => r[d] = prmt(r[a], r[b], r[c]),
+            Op::Bfi(w) => r[d] = bfi(r[a], r[b], r[c], r[i.imm as usize], w),
+            Op::Bfe(w, signed) => r[d] = bfe(r[a], r[b], r[c], w, signed),
             Op::Ld(space, size, signed) => {
                 let addr = r[a].wrapping_add(i.imm as u64);
                 let mut buf = [0u8; 8];

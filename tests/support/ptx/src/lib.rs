@@ -82,7 +82,7 @@
 //!   integer, unsigned and ordered/unordered float comparison), `selp`,
 //!   `and/or/xor/not.pred`, `mov` (registers, immediates, special
 //!   registers %tid/%ntid/%ctaid/%nctaid, shared symbol addresses, `{a, b}`
-//!   pack/unpack), `prmt.b32` (default mode);
+//!   pack/unpack), `prmt.b32` (default mode), `bfi.b32/b64`, `bfe.{u,s}{32,64}`;
 //! * `ld`/`st` `.global` / `.shared` (`[reg]`, `[reg+imm]`, `[symbol+imm]`;
 //!   cache hints such as `.nc` accepted), `ld.param`, `cvta.to.global.u64`,
 //!   `bar.sync 0` / `barrier.sync 0`, `bra[.uni]`, `@p` / `@!p` guards,

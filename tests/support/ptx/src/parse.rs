@@ -116,6 +116,13 @@ pub(crate) enum Op {
     /// d = low half of b, a = high half of b.
     Unpack(u8),
     Prmt,
+    /// Bit-field insert (`bfi.b{w}`): d = b with the `len` bits from `pos`
+    /// replaced by the low bits of a; pos = c, len = the register at imm
+    /// (the one instruction with four sources).
+    Bfi(u8),
+    /// Bit-field extract (`bfe.{u,s}{w}`): d = the `len` (c) bits of a from
+    /// `pos` (b), zero- or sign-extended.
+    Bfe(u8, bool),
     /// Load `size` bytes at [a + imm], sign-extended when `signed`.
     Ld(Space, u8, bool),
     /// Store the low `size` bytes of b at [a + imm].
@@ -845,6 +852,11 @@ impl Parser {
             fix(&mut inst.a);
             fix(&mut inst.b);
             fix(&mut inst.c);
+            if let Op::Bfi(_) = inst.op {
+                let mut len = inst.imm as u32;
+                fix(&mut len);
+                inst.imm = len as i64;
+            }
         }
         if self.kernels.iter().any(|k| k.name == name) {
             return Err(err(h.line, t, format!("kernel `{name}` defined twice")));
@@ -1493,6 +1505,32 @@ impl FnParser {
                     inst.d = self.dst(lhs)?;
                     inst.a = self.src(rhs, ty, line, text)?;
                 }
+            }
+            "bfi" => {
+                let w = match types.as_slice() {
+                    [Ty::B(w @ (32 | 64))] if flags.is_empty() => *w,
+                    _ => return Err(refuse()),
+                };
+                nops(5)?;
+                inst.op = Op::Bfi(w);
+                inst.d = self.dst(&ops[0])?;
+                inst.a = self.src(&ops[1], Ty::B(w), line, text)?;
+                inst.b = self.src(&ops[2], Ty::B(w), line, text)?;
+                inst.c = self.src(&ops[3], Ty::U(32), line, text)?;
+                inst.imm = self.src(&ops[4], Ty::U(32), line, text)? as i64;
+            }
+            "bfe" => {
+                let (w, signed) = match types.as_slice() {
+                    [Ty::U(w @ (32 | 64))] if flags.is_empty() => (*w, false),
+                    [Ty::S(w @ (32 | 64))] if flags.is_empty() => (*w, true),
+                    _ => return Err(refuse()),
+                };
+                nops(4)?;
+                inst.op = Op::Bfe(w, signed);
+                inst.d = self.dst(&ops[0])?;
+                inst.a = self.src(&ops[1], Ty::B(w), line, text)?;
+                inst.b = self.src(&ops[2], Ty::U(32), line, text)?;
+                inst.c = self.src(&ops[3], Ty::U(32), line, text)?;
             }
             "prmt" => {
                 if types != [Ty::B(32)] || !flags.is_empty() {

@@ -809,3 +809,99 @@ fn loads_and_stores_of_every_width() {
         0xAB
     );
 }
+
+/// `bfi` by masks (the interpreter walks bits): the field [pos, pos + len)
+/// clipped to the width.
+fn bfi_ref(a: u64, b: u64, pos: u32, len: u32, w: u32) -> u64 {
+    let full = if w == 64 { u64::MAX } else { (1u64 << w) - 1 };
+    let (pos, len) = (pos & 0xFF, len & 0xFF);
+    if pos >= w || len == 0 {
+        return b & full;
+    }
+    let n = len.min(w - pos);
+    let mask = (if n == 64 { u64::MAX } else { (1u64 << n) - 1 }) << pos;
+    ((b & !mask) | ((a << pos) & mask)) & full
+}
+
+/// `bfe` by shifts and sign extension of the clipped field.
+fn bfe_ref(a: u64, pos: u32, len: u32, w: u32, signed: bool) -> u64 {
+    let full = if w == 64 { u64::MAX } else { (1u64 << w) - 1 };
+    let (pos, len) = (pos & 0xFF, len & 0xFF);
+    let a = a & full;
+    if len == 0 {
+        return 0;
+    }
+    if pos >= w {
+        return if signed && (a >> (w - 1)) & 1 == 1 {
+            full
+        } else {
+            0
+        };
+    }
+    let n = len.min(w - pos);
+    let v = (a >> pos) & (if n == 64 { u64::MAX } else { (1u64 << n) - 1 });
+    if signed && n < 64 && (v >> (n - 1)) & 1 == 1 {
+        (v | !((1u64 << n) - 1)) & full
+    } else {
+        v
+    }
+}
+
+#[test]
+fn bit_field_insert_and_extract() {
+    let (a, b) = (0xDEAD_BEEF_1234_5678u64, 0x0F0F_F0F0_A5A5_5A5Au64);
+    for w in [32u32, 64] {
+        let ty = format!("b{w}");
+        let full = if w == 64 { u64::MAX } else { (1u64 << w) - 1 };
+        for (pos, len) in [
+            (0, 1),
+            (1, 1),
+            (3, 5),
+            (8, 8),
+            (28, 8),
+            (31, 1),
+            (0, 32),
+            (40, 30),
+            (63, 2),
+            (70, 3),
+            (5, 0),
+            (0x105, 4),
+        ] {
+            let ins = [
+                (ty.as_str(), a & full),
+                (ty.as_str(), b & full),
+                ("u32", pos as u64),
+                ("u32", len as u64),
+            ];
+            let got = run(&format!("bfi.b{w} $d, $0, $1, $2, $3"), &ins, &ty);
+            assert_eq!(
+                got,
+                bfi_ref(a, b, pos, len, w),
+                "bfi.b{w} pos {pos} len {len}"
+            );
+            for signed in [false, true] {
+                let t = format!("{}{w}", if signed { "s" } else { "u" });
+                let ins = [
+                    (t.as_str(), a & full),
+                    ("u32", pos as u64),
+                    ("u32", len as u64),
+                ];
+                let got = run(&format!("bfe.{t} $d, $0, $1, $2"), &ins, &t) & full;
+                assert_eq!(
+                    got,
+                    bfe_ref(a, pos, len, w, signed),
+                    "bfe.{t} pos {pos} len {len}"
+                );
+            }
+        }
+    }
+    // NVRTC's form (from relu.cu's mask loop): immediate position and length.
+    assert_eq!(
+        run(
+            "bfi.b32 $d, $0, $1, 1, 1",
+            &[("b32", 1), ("b32", 0x10)],
+            "b32"
+        ),
+        0x12
+    );
+}
