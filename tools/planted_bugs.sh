@@ -13,6 +13,10 @@ if ! git diff --quiet -- src/backend/cuda; then
   echo "planted_bugs.sh: src/backend/cuda has uncommitted changes; commit or stash them first" >&2
   exit 2
 fi
+# Whatever ends this script (a failure, Ctrl-C, a killed CI step), the
+# planted file goes back to HEAD's text: a bug left in the tree could be
+# committed with the next change (it once was).
+trap 'git checkout --quiet -- src/backend/cuda' EXIT
 fake="$(tools/fakecuda.sh)"
 missed=0
 # name|file|exact text|replacement (\n: a line break; the text must occur once)
