@@ -755,6 +755,59 @@ unsafe fn scalars(alpha: *const c_void, beta: *const c_void) -> Result<(f32, f32
     Ok(unsafe { (*alpha.cast::<f32>(), *beta.cast::<f32>()) })
 }
 
+/// What each convolution pass checks before it queues work, in cuDNN's
+/// order: the descriptors (named x, w, y as the forward pass names them),
+/// the workspace `algo` needs (`need`: None for an algorithm this fake does
+/// not run), and alpha and beta.
+struct Pass {
+    f: std::sync::MutexGuard<'static, Fake>,
+    g: ConvGeom,
+    workspace: Option<(u64, usize)>,
+    alpha: f32,
+    beta: f32,
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe fn check_pass(
+    op: &str,
+    handle: cudnnHandle_t,
+    xd: cudnnTensorDescriptor_t,
+    wd: cudnnFilterDescriptor_t,
+    conv: cudnnConvolutionDescriptor_t,
+    yd: cudnnTensorDescriptor_t,
+    need: impl FnOnce(&ConvGeom) -> Option<usize>,
+    ws: *mut c_void,
+    ws_bytes: usize,
+    alpha: *const c_void,
+    beta: *const c_void,
+) -> Result<Pass, Status> {
+    let f = fake();
+    let g = problem(&f, op, handle, xd, wd, conv, yd)?.geom;
+    let workspace = check_workspace(&f, op, need(&g), ws, ws_bytes)?;
+    let (alpha, beta) = unsafe { scalars(alpha, beta) }?;
+    Ok(Pass {
+        f,
+        g,
+        workspace,
+        alpha,
+        beta,
+    })
+}
+
+/// Overwrites the workspace as the pass runs: the real library leaves
+/// whatever it likes there, so nothing may rely on its contents.
+fn scribble(mem: &mut DeviceMemory, workspace: Option<(u64, usize)>) -> Result<(), String> {
+    match workspace {
+        Some((at, bytes)) => mem.fill(at, 0xFF, bytes),
+        None => Ok(()),
+    }
+}
+
+/// `len` floats at `at`, an error naming the operand `what`.
+fn read(mem: &DeviceMemory, at: u64, len: usize, what: &str) -> Result<Vec<f32>, String> {
+    mem.read_f32(at, len).map_err(|e| format!("{what}: {e}"))
+}
+
 #[unsafe(no_mangle)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn cudnnConvolutionForward(
@@ -773,31 +826,35 @@ pub unsafe extern "C" fn cudnnConvolutionForward(
     y: *mut c_void,
 ) -> Status {
     let op = "cudnnConvolutionForward";
-    let f = fake();
-    let p = match problem(&f, op, handle, xd, wd, conv, yd) {
+    let Pass {
+        f,
+        g,
+        workspace,
+        alpha,
+        beta,
+    } = match unsafe {
+        check_pass(
+            op,
+            handle,
+            xd,
+            wd,
+            conv,
+            yd,
+            |g| fwd_workspace(g, algo),
+            ws,
+            ws_bytes,
+            alpha,
+            beta,
+        )
+    } {
         Ok(p) => p,
-        Err(s) => return s,
-    };
-    let g = p.geom;
-    let workspace = match check_workspace(&f, op, fwd_workspace(&g, algo), ws, ws_bytes) {
-        Ok(w) => w,
-        Err(s) => return s,
-    };
-    let (alpha, beta) = match unsafe { scalars(alpha, beta) } {
-        Ok(s) => s,
         Err(s) => return s,
     };
     let (x, w, y) = (x as u64, w as u64, y as u64);
     let run = move |mem: &mut DeviceMemory| -> Result<(), String> {
-        if let Some((at, b)) = workspace {
-            mem.fill(at, 0xFF, b)?;
-        }
-        let xv = mem
-            .read_f32(x, g.input_len())
-            .map_err(|e| format!("x: {e}"))?;
-        let wv = mem
-            .read_f32(w, g.weight_len())
-            .map_err(|e| format!("w: {e}"))?;
+        scribble(mem, workspace)?;
+        let xv = read(mem, x, g.input_len(), "x")?;
+        let wv = read(mem, w, g.weight_len(), "w")?;
         let mut yv = vec![0.0; g.output_len()];
         let mut scratch = vec![0.0; g.forward_workspace_len()];
         conv2d_forward(
@@ -831,31 +888,35 @@ pub unsafe extern "C" fn cudnnConvolutionBackwardData(
     dx: *mut c_void,
 ) -> Status {
     let op = "cudnnConvolutionBackwardData";
-    let f = fake();
-    let p = match problem(&f, op, handle, dxd, wd, conv, dyd) {
+    let Pass {
+        f,
+        g,
+        workspace,
+        alpha,
+        beta,
+    } = match unsafe {
+        check_pass(
+            op,
+            handle,
+            dxd,
+            wd,
+            conv,
+            dyd,
+            |g| data_workspace(g, algo),
+            ws,
+            ws_bytes,
+            alpha,
+            beta,
+        )
+    } {
         Ok(p) => p,
-        Err(s) => return s,
-    };
-    let g = p.geom;
-    let workspace = match check_workspace(&f, op, data_workspace(&g, algo), ws, ws_bytes) {
-        Ok(w) => w,
-        Err(s) => return s,
-    };
-    let (alpha, beta) = match unsafe { scalars(alpha, beta) } {
-        Ok(s) => s,
         Err(s) => return s,
     };
     let (w, dy, dx) = (w as u64, dy as u64, dx as u64);
     let run = move |mem: &mut DeviceMemory| -> Result<(), String> {
-        if let Some((at, b)) = workspace {
-            mem.fill(at, 0xFF, b)?;
-        }
-        let wv = mem
-            .read_f32(w, g.weight_len())
-            .map_err(|e| format!("w: {e}"))?;
-        let dyv = mem
-            .read_f32(dy, g.output_len())
-            .map_err(|e| format!("dy: {e}"))?;
+        scribble(mem, workspace)?;
+        let wv = read(mem, w, g.weight_len(), "w")?;
+        let dyv = read(mem, dy, g.output_len(), "dy")?;
         let mut dxv = vec![0.0; g.input_len()];
         // memfit's backward computes both gradients; the weight's is dropped
         // (its input is zeros: backward data does not read x).
@@ -895,31 +956,35 @@ pub unsafe extern "C" fn cudnnConvolutionBackwardFilter(
     dw: *mut c_void,
 ) -> Status {
     let op = "cudnnConvolutionBackwardFilter";
-    let f = fake();
-    let p = match problem(&f, op, handle, xd, dwd, conv, dyd) {
+    let Pass {
+        f,
+        g,
+        workspace,
+        alpha,
+        beta,
+    } = match unsafe {
+        check_pass(
+            op,
+            handle,
+            xd,
+            dwd,
+            conv,
+            dyd,
+            |g| filter_workspace(g, algo),
+            ws,
+            ws_bytes,
+            alpha,
+            beta,
+        )
+    } {
         Ok(p) => p,
-        Err(s) => return s,
-    };
-    let g = p.geom;
-    let workspace = match check_workspace(&f, op, filter_workspace(&g, algo), ws, ws_bytes) {
-        Ok(w) => w,
-        Err(s) => return s,
-    };
-    let (alpha, beta) = match unsafe { scalars(alpha, beta) } {
-        Ok(s) => s,
         Err(s) => return s,
     };
     let (x, dy, dw) = (x as u64, dy as u64, dw as u64);
     let run = move |mem: &mut DeviceMemory| -> Result<(), String> {
-        if let Some((at, b)) = workspace {
-            mem.fill(at, 0xFF, b)?;
-        }
-        let xv = mem
-            .read_f32(x, g.input_len())
-            .map_err(|e| format!("x: {e}"))?;
-        let dyv = mem
-            .read_f32(dy, g.output_len())
-            .map_err(|e| format!("dy: {e}"))?;
+        scribble(mem, workspace)?;
+        let xv = read(mem, x, g.input_len(), "x")?;
+        let dyv = read(mem, dy, g.output_len(), "dy")?;
         let mut dw_hwio = vec![0.0; g.weight_len()];
         let w_unused = vec![0.0; g.weight_len()];
         let mut scratch = vec![0.0; g.backward_workspace_len()];
