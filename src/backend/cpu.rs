@@ -79,6 +79,16 @@ pub(super) fn conv2d_forward(
     ws: &mut Tensor,
     p: Precision,
 ) {
+    if y.dtype() == DType::BF16 {
+        return conv2d::conv2d_forward_bf16_out(
+            y.bf16_mut(),
+            conv_input(x),
+            w.f32(),
+            g,
+            ws.f32_mut(),
+            p.gemm_math(),
+        );
+    }
     conv2d::conv2d_forward(
         y.f32_mut(),
         conv_input(x),
@@ -121,7 +131,10 @@ pub(super) fn bn_batch_stats(
 ) {
     let c = mean.numel();
     timed(Family::BatchNorm, 0, || {
-        bn::bn_batch_stats(mean.f32_mut(), var.f32_mut(), x.f32(), c);
+        match x.dtype() {
+            DType::BF16 => bn::bn_batch_stats(mean.f32_mut(), var.f32_mut(), x.bf16(), c),
+            _ => bn::bn_batch_stats(mean.f32_mut(), var.f32_mut(), x.f32(), c),
+        }
         bn::bn_rstd(rstd.f32_mut(), var.f32(), eps);
     });
 }
@@ -286,7 +299,15 @@ impl BnBackwardArgs<'_> {
 }
 
 pub(super) fn add_relu_forward(z: &mut Tensor, residual: &Tensor, mask: &mut Tensor, p: Precision) {
-    let (z, mask, round) = (z.f32_mut(), mask.bits_mut(), p.chunk_round());
+    let (mask, round) = (mask.bits_mut(), p.chunk_round());
+    if z.dtype() == DType::BF16 {
+        let z = z.bf16_mut();
+        return match residual.dtype() {
+            DType::BF16 => relu::add_relu_forward_bf16(z, residual.bf16(), mask),
+            _ => relu::add_relu_forward_bf16(z, residual.f32(), mask),
+        };
+    }
+    let z = z.f32_mut();
     match residual.dtype() {
         DType::BF16 => relu::add_relu_forward(z, residual.bf16(), mask, round),
         _ => relu::add_relu_forward(z, residual.f32(), mask, round),

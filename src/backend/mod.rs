@@ -59,11 +59,37 @@ pub enum ConvPass {
 /// answer for the algorithm chosen for the geometry, and an error when a
 /// GPU that is here cannot size it.
 pub fn conv2d_workspace(device: Device, g: &ConvGeom, pass: ConvPass) -> Result<(DType, usize)> {
+    conv2d_workspace_for(device, g, pass, DType::F32, DType::F32, Precision::F32)
+}
+
+/// [`conv2d_workspace`] for an input stored as `input` and a forward
+/// output stored as `output`, in precision `p`. On the CPU a bf16 input is
+/// widened tile by tile when the GEMM is f32 (a pointwise convolution
+/// needs workspace for that), and a bf16 output is computed one f32 tile of
+/// rows at a time.
+pub fn conv2d_workspace_for(
+    device: Device,
+    g: &ConvGeom,
+    pass: ConvPass,
+    input: DType,
+    output: DType,
+    p: Precision,
+) -> Result<(DType, usize)> {
     match device.target() {
-        crate::device::Target::Cpu => Ok(match pass {
-            ConvPass::Forward => (DType::F32, g.forward_workspace_len()),
-            ConvPass::Backward => (DType::F32, g.backward_workspace_len()),
-        }),
+        crate::device::Target::Cpu => {
+            let widens = ConvGeom::widens(input, p.gemm_math());
+            Ok(match pass {
+                ConvPass::Forward => {
+                    let out = if output == DType::BF16 {
+                        g.output_tile_len()
+                    } else {
+                        0
+                    };
+                    (DType::F32, g.forward_workspace_len_for(widens) + out)
+                }
+                ConvPass::Backward => (DType::F32, g.backward_workspace_len_for(widens)),
+            })
+        }
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
         crate::device::Target::Cuda(n) => cuda::ops::conv2d_workspace(n, g, pass),
     }
@@ -108,7 +134,8 @@ pub fn capabilities(t: &Tensor) -> Capabilities {
 /// arithmetic of `p`. `x` is f32, or bf16 where the device reads it in
 /// place (see `Conv::reads_in_place`); `w` is already rounded to `p` unless
 /// the device rounds operands itself. A bf16 convolution returns `y`
-/// rounded to bf16.
+/// rounded to bf16, or stored in bf16 where the device reads bf16
+/// (`Capabilities::reads_bf16`: the layer allocates `y` so).
 pub fn conv2d_forward(
     y: &mut Tensor,
     x: &Tensor,

@@ -99,6 +99,11 @@ pub struct Capabilities {
     /// bf16 products run natively (AVX512-BF16 on the CPU); otherwise bf16
     /// mode multiplies pre-rounded operands in f32 (same values, no speed-up).
     pub native_bf16: bool,
+    /// Convolutions read bf16-stored activations in place and BN+ReLU
+    /// writes its bf16 output directly, so no whole f32 copy of a bf16
+    /// tensor is made (the CPU, with or without bf16 dot products: its f32
+    /// GEMM widens one tile of rows at a time).
+    pub reads_bf16: bool,
     /// Layout of convolution weights in storage.
     pub conv_weight_layout: ConvWeightLayout,
     /// Kernels give the same bits run after run (fixed reduction orders).
@@ -110,6 +115,7 @@ impl Capabilities {
     pub fn cpu() -> Self {
         Capabilities {
             native_bf16: cpu::bf16_gemm_available(),
+            reads_bf16: true,
             conv_weight_layout: ConvWeightLayout::Hwio,
             deterministic: true,
         }
@@ -137,6 +143,7 @@ impl Capabilities {
         let _facts = cuda::device_facts(ordinal);
         Capabilities {
             native_bf16: false,
+            reads_bf16: false,
             conv_weight_layout: ConvWeightLayout::Hwio,
             deterministic: true,
         }

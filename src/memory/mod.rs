@@ -80,7 +80,15 @@ pub struct MemoryStats {
     pub system_alloc_bytes: usize,
     /// Storage requests served from cached segments.
     pub reuses: u64,
+    /// The largest buffers live when `peak_total` was reached, as (tag,
+    /// category, bytes), largest first: what sets the peak. Filled only by
+    /// a pool asked to ([`Pool::record_peak_buffers`]; the planner's
+    /// simulator is).
+    pub largest_at_peak: Vec<(String, Category, usize)>,
 }
+
+/// How many buffers [`MemoryStats::largest_at_peak`] names.
+pub const PEAK_BUFFERS: usize = 8;
 
 struct LiveEntry {
     tag: Tag,
@@ -105,6 +113,9 @@ struct PoolState {
     entries: HashMap<u64, LiveEntry>,
     timeline: Option<Vec<Event>>,
     timeline_start: Option<std::time::Instant>,
+    /// Whether a new peak snapshots its largest buffers.
+    peak_buffers_on: bool,
+    largest_at_peak: Vec<(String, Category, usize)>,
 }
 
 impl PoolState {
@@ -167,6 +178,22 @@ impl PoolState {
             .entries
             .values()
             .map(|e| (e.tag.to_string(), e.category, e.bytes))
+            .collect();
+        v.sort_by(|a, b| b.2.cmp(&a.2).then_with(|| a.0.cmp(&b.0)));
+        v
+    }
+
+    /// The [`PEAK_BUFFERS`] largest live buffers, largest first.
+    fn largest_buffers(&self) -> Vec<(String, Category, usize)> {
+        let mut v: Vec<(&LiveEntry, usize)> = self.entries.values().map(|e| (e, e.bytes)).collect();
+        let keep = PEAK_BUFFERS.min(v.len());
+        if keep < v.len() {
+            v.select_nth_unstable_by(keep, |a, b| b.1.cmp(&a.1));
+            v.truncate(keep);
+        }
+        let mut v: Vec<_> = v
+            .into_iter()
+            .map(|(e, b)| (e.tag.to_string(), e.category, b))
             .collect();
         v.sort_by(|a, b| b.2.cmp(&a.2).then_with(|| a.0.cmp(&b.0)));
         v
@@ -278,6 +305,7 @@ impl Pool {
             peak: ByCategory(s.peak),
             peak_total: s.peak_total,
             at_peak: ByCategory(s.at_peak),
+            largest_at_peak: s.largest_at_peak.clone(),
             reserved: s.arena.reserved(),
             reserved_peak: s.reserved_peak,
             system_allocs: s.system_allocs,
@@ -296,6 +324,19 @@ impl Pool {
         s.peak = s.live;
         s.peak_total = s.live_total;
         s.at_peak = s.live;
+        if s.peak_buffers_on {
+            s.largest_at_peak = s.largest_buffers();
+        }
+    }
+
+    /// Snapshot the largest live buffers at every new peak
+    /// ([`MemoryStats::largest_at_peak`]). Off by default: a snapshot walks
+    /// the live buffers, and a first forward sets a new peak at almost
+    /// every allocation.
+    pub fn record_peak_buffers(&self, on: bool) {
+        let mut s = self.lock();
+        s.peak_buffers_on = on;
+        s.largest_at_peak = if on { s.largest_buffers() } else { Vec::new() };
     }
 
     /// Return every unused segment to the system.
@@ -419,7 +460,8 @@ impl Pool {
         s.live[c] += bytes;
         s.live_total += bytes;
         s.peak[c] = s.peak[c].max(s.live[c]);
-        if s.live_total > s.peak_total {
+        let new_peak = s.live_total > s.peak_total;
+        if new_peak {
             s.peak_total = s.live_total;
             s.at_peak = s.live;
         }
@@ -444,6 +486,9 @@ impl Pool {
                 bytes,
             },
         );
+        if new_peak && s.peak_buffers_on {
+            s.largest_at_peak = s.largest_buffers();
+        }
         drop(s);
         let lender: Arc<dyn Lender> = self.state.clone();
         let lease = Lease::new(lender, id, bytes, self.device);

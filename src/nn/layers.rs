@@ -64,14 +64,15 @@ impl Conv {
         }
     }
 
-    /// Whether the kernels read `x` as it is stored: f32, or bf16 with the
-    /// native bf16 GEMM (rows of whole words: even `cin`).
+    /// Whether the kernels read `x` as it is stored: f32, or bf16 on a
+    /// device whose convolutions read bf16 (`Capabilities::reads_bf16`;
+    /// rows of whole words: even `cin`).
     pub fn reads_in_place(&self, x: &Tensor, p: Precision) -> bool {
         match x.dtype() {
             DType::F32 => true,
             DType::BF16 => {
                 p == Precision::BF16
-                    && backend::capabilities(x).native_bf16
+                    && backend::capabilities(x).reads_bf16
                     && self.cin.is_multiple_of(2)
             }
             _ => false,
@@ -98,16 +99,18 @@ impl Conv {
         let g = self.geom(n, h, w);
         g.validate()?;
         let x_copy = self.input_copy(ctx, x)?;
-        let mut y = ctx.empty_f32(
+        let mut y = ctx.empty(
             &[n, g.oh(), g.ow(), self.cout],
+            self.output_dtype(ctx),
             Category::Activations,
             Tag::new(&self.name, field),
         )?;
         let w_low = self.gemm_weight(ctx)?;
-        let mut ws = self.workspace(ctx, &g, ConvPass::Forward)?;
+        let xv = Self::input(x, &x_copy);
+        let mut ws = self.workspace(ctx, &g, ConvPass::Forward, xv, y.dtype())?;
         backend::conv2d_forward(
             &mut y,
-            Self::input(x, &x_copy),
+            xv,
             w_low.as_ref().unwrap_or(&self.weight.value),
             &g,
             &mut ws,
@@ -118,6 +121,20 @@ impl Conv {
             backend::round(&mut y, ctx.precision)?;
         }
         Ok(y)
+    }
+
+    /// The forward output's storage: bf16 under bf16 where the device
+    /// reads bf16 (every reader of a convolution's output, the BN, does),
+    /// so no f32 copy of it is made; else f32.
+    fn output_dtype(&self, ctx: &Ctx<'_>) -> DType {
+        if ctx.precision == Precision::BF16
+            && ctx.device().capabilities().reads_bf16
+            && self.cout.is_multiple_of(2)
+        {
+            DType::BF16
+        } else {
+            DType::F32
+        }
     }
 
     /// Accumulates the weight gradient; adds the input gradient into `dx`
@@ -133,13 +150,14 @@ impl Conv {
         let g = self.geom(n, h, w);
         let x_copy = self.input_copy(ctx, x)?;
         let w_low = self.gemm_weight(ctx)?;
-        let mut ws = self.workspace(ctx, &g, ConvPass::Backward)?;
+        let xv = Self::input(x, &x_copy);
+        let mut ws = self.workspace(ctx, &g, ConvPass::Backward, xv, DType::F32)?;
         let mut dx = dx;
         backend::conv2d_backward(
             dx.as_deref_mut(),
             &mut self.weight.grad,
             dy,
-            Self::input(x, &x_copy),
+            xv,
             w_low.as_ref().unwrap_or(&self.weight.value),
             &g,
             &mut ws,
@@ -153,8 +171,16 @@ impl Conv {
     }
 
     /// The workspace the device asks for this convolution, from the ctx.
-    fn workspace(&self, ctx: &Ctx<'_>, g: &ConvGeom, pass: ConvPass) -> Result<Tensor> {
-        let (dtype, len) = backend::conv2d_workspace(ctx.device(), g, pass)?;
+    fn workspace(
+        &self,
+        ctx: &Ctx<'_>,
+        g: &ConvGeom,
+        pass: ConvPass,
+        x: &Tensor,
+        out: DType,
+    ) -> Result<Tensor> {
+        let (dtype, len) =
+            backend::conv2d_workspace_for(ctx.device(), g, pass, x.dtype(), out, ctx.precision)?;
         ctx.empty(
             &[len],
             dtype,
@@ -260,8 +286,9 @@ impl BatchNorm {
     }
 
     /// BN+ReLU whose output feeds a convolution of the same precision:
-    /// [`BatchNorm::forward`] with `relu`, but under bf16 with the native
-    /// bf16 GEMM (and even `c`) the output is written in bf16 directly —
+    /// [`BatchNorm::forward`] with `relu`, but under bf16 on a device that
+    /// reads bf16 (`Capabilities::reads_bf16`, and even `c`) the output is
+    /// written in bf16 directly —
     /// the form the convolution reads in place and the block keeps — with
     /// the bits `store` would give the f32 output.
     pub fn forward_relu_for_conv(
@@ -279,34 +306,33 @@ impl BatchNorm {
     /// ([`BatchNorm::forward_relu_for_conv`]).
     fn relu_out_in_bf16(&self, ctx: &Ctx<'_>) -> bool {
         ctx.precision == Precision::BF16
-            && ctx.device().capabilities().native_bf16
+            && ctx.device().capabilities().reads_bf16
             && self.c.is_multiple_of(2)
     }
 
-    /// [`BatchNorm::forward`] without ReLU (`relu_for_conv` false) or
-    /// [`BatchNorm::forward_relu_for_conv`] (true) that consumes `x` and
-    /// returns it as the backward keeps it, `store(x, sp)`. Under bf16 with
-    /// an f32 `x` (a convolution's output) the normalising pass writes the
-    /// bf16 copy itself, instead of `store` reading `x` again.
+    /// [`BatchNorm::forward`] that consumes `x` and returns it as the
+    /// backward keeps it, `store(x, sp)`. Every caller feeds the output to
+    /// a convolution (`relu`: a BN+ReLU) or to the residual add (no ReLU),
+    /// both of which read bf16, so under bf16 on a device that reads it
+    /// ([`BatchNorm::forward_relu_for_conv`]) the output is written in bf16
+    /// directly. Under bf16 with an f32 `x` (a convolution's f32 output)
+    /// the normalising pass writes the bf16 copy of `x` itself, instead of
+    /// `store` reading `x` again.
     #[allow(clippy::too_many_arguments)]
     pub fn forward_storing_input(
         &mut self,
         ctx: &Ctx<'_>,
         x: Tensor,
-        relu_for_conv: bool,
+        relu: bool,
         mode: Mode,
         field: &'static str,
         sp: Precision,
     ) -> Result<(Tensor, BnStats, Tensor)> {
+        let bf16_out = self.relu_out_in_bf16(ctx);
         if sp != Precision::BF16 || x.dtype() != DType::F32 {
-            let (y, stats) = if relu_for_conv {
-                self.forward_relu_for_conv(ctx, &x, mode, field)?
-            } else {
-                self.forward(ctx, &x, false, mode, field)?
-            };
+            let (y, stats) = self.forward_as(ctx, &x, relu, mode, field, bf16_out)?;
             return Ok((y, stats, store(ctx, x, sp)?));
         }
-        let bf16_out = relu_for_conv && self.relu_out_in_bf16(ctx);
         let stats = self.stats(ctx, &x, mode)?;
         let tag = Tag::new(&self.name, field);
         let mut y = if bf16_out {
@@ -324,7 +350,7 @@ impl BatchNorm {
             &stats.rstd,
             &self.weight.value,
             &self.bias.value,
-            relu_for_conv,
+            relu,
             ctx.precision,
         )?;
         Ok((y, stats, x_low))

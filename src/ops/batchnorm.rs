@@ -66,16 +66,18 @@ fn channel_sums2(
     (total0, total1)
 }
 
-/// Batch mean and biased variance per channel of `x` (rows, c).
-pub fn bn_batch_stats(mean: &mut [f32], var: &mut [f32], x: &[f32], c: usize) {
+/// Batch mean and biased variance per channel of `x` (rows, c), read as
+/// f32 (a bf16 `x` gives the bits of its f32 copy).
+pub fn bn_batch_stats<X: ReadF32>(mean: &mut [f32], var: &mut [f32], x: &[X], c: usize) {
     let rows = x.len() / c;
     // Shifted sums (by the first row) keep the variance accurate when the
     // mean is large relative to the spread.
-    let shift: &[f32] = &x[..c];
+    let shift: Vec<f32> = x[..c].iter().map(|v| v.f32()).collect();
+    let shift = &shift[..];
     let (sum, sum_sq) = channel_sums2(rows, c, |r, s0, s1| {
         let xr = &x[r * c..(r + 1) * c];
         for (((a, b), &v), &sh) in s0.iter_mut().zip(s1.iter_mut()).zip(xr).zip(shift) {
-            let d = v - sh;
+            let d = v.f32() - sh;
             *a += d;
             *b += d * d;
         }
@@ -475,6 +477,22 @@ mod tests {
 
     fn shifted(r: &mut rand::rngs::ChaCha8Rng, n: usize, s: f32, o: f32) -> Vec<f32> {
         rand_vec(r, n).into_iter().map(|v| v * s + o).collect()
+    }
+
+    /// Statistics of a bf16 tensor are those of its f32 copy, bit for bit.
+    #[test]
+    fn bf16_statistics_are_those_of_the_f32_copy() {
+        let mut r = rng(12);
+        let (rows, c) = (3 * REDUCE_CHUNK_ROWS + 7, 6);
+        let mut x = shifted(&mut r, rows * c, 2.0, 0.7);
+        crate::device::cpu::round_to_bf16(&mut x);
+        let low: Vec<half::bf16> = x.iter().map(|&v| half::bf16::from_f32(v)).collect();
+        let (mut m0, mut v0, mut m1, mut v1) =
+            (vec![0.0; c], vec![0.0; c], vec![0.0; c], vec![0.0; c]);
+        bn_batch_stats(&mut m0, &mut v0, &x, c);
+        bn_batch_stats(&mut m1, &mut v1, &low, c);
+        assert_eq!(m0, m1);
+        assert_eq!(v0, v1);
     }
 
     #[test]

@@ -10,11 +10,12 @@
 use rayon::prelude::*;
 
 use crate::device::cpu::{
-    Accumulate, GemmMath, Lhs, MatRef, Rhs, f32_to_bf16, gemm, gemm_bf16_lhs, gemm_bf16_rounded,
-    pack_rhs, round_to_bf16,
+    Accumulate, GemmMath, Lhs, MatRef, PackedRhs, Rhs, bf16_to_f32, f32_to_bf16, gemm,
+    gemm_bf16_lhs, gemm_bf16_rounded, pack_rhs, round_to_bf16,
 };
 use crate::error::{Error, Result};
 use crate::profile::{Family, timed};
+use crate::tensor::DType;
 
 /// Target floats per im2col tile (4 MiB): large enough for GEMM efficiency,
 /// small enough to stay in cache-friendly territory and cheap to hold.
@@ -29,9 +30,11 @@ const WGRAD_SPLIT_MIN_ROWS: usize = 4096;
 pub enum ConvInput<'a> {
     F32(&'a [f32]),
     /// bf16 values, two channels per word (lower channel in the low half;
-    /// `cin` even): the bf16 mode's stored activations, which the native
-    /// bf16 GEMM and the bf16 im2col read in place instead of through an
-    /// f32 copy. Only with the native bf16 GEMM.
+    /// `cin` even): the bf16 mode's stored activations, read in place
+    /// instead of through a whole f32 copy. The native bf16 GEMM and the
+    /// bf16 im2col read the words as they are; the f32 GEMM (a CPU without
+    /// bf16 dot products) reads them widened one tile of rows at a time
+    /// into the workspace (exact: every bf16 value is an f32).
     Bf16Words(&'a [u32]),
 }
 
@@ -50,6 +53,20 @@ impl ConvInput<'_> {
             ConvInput::Bf16Words(w) => Some(&w[r0 * g.cin / 2..(r0 + rows) * g.cin / 2]),
         }
     }
+
+    fn is_bf16(&self) -> bool {
+        matches!(self, ConvInput::Bf16Words(_))
+    }
+}
+
+/// `dst` (rows·cin f32) = the bf16 `words` of those rows, widened (exact),
+/// split over the threads.
+fn widen_rows(dst: &mut [f32], words: &[u32]) {
+    let src: &[u16] = bytemuck::cast_slice(words);
+    assert_eq!(dst.len(), src.len(), "widen_rows: lengths");
+    dst.par_chunks_mut(1 << 14)
+        .zip(src.par_chunks(1 << 14))
+        .for_each(|(d, s)| bf16_to_f32(d, s));
 }
 
 /// Everything that determines a convolution's shapes.
@@ -126,24 +143,58 @@ impl ConvGeom {
         (TILE_FLOATS / self.k()).max(64).min(self.rows().max(1))
     }
 
-    /// f32 elements of workspace `conv2d_forward` needs.
+    /// f32 elements of workspace `conv2d_forward` needs for an f32 input.
     pub fn forward_workspace_len(&self) -> usize {
-        if self.is_pointwise() {
-            0
-        } else {
+        self.forward_workspace_len_for(false)
+    }
+
+    /// f32 elements of workspace `conv2d_backward` needs for an f32 input.
+    pub fn backward_workspace_len(&self) -> usize {
+        self.backward_workspace_len_for(false)
+    }
+
+    /// f32 elements of workspace `conv2d_forward` needs; `widens`: the
+    /// input is bf16 and the GEMM f32 ([`ConvGeom::widens`]), so a
+    /// pointwise convolution needs one tile of widened rows.
+    pub fn forward_workspace_len_for(&self, widens: bool) -> usize {
+        if !self.is_pointwise() {
             self.tile_rows() * self.k()
+        } else if widens {
+            self.tile_rows() * self.cin
+        } else {
+            0
         }
     }
 
     /// f32 elements of workspace `conv2d_backward` needs: patches and their
     /// gradient, one tile each; for a pointwise convolution whose weight
-    /// gradient is split over the batch, the second half's partial sum.
-    pub fn backward_workspace_len(&self) -> usize {
-        if self.splits_wgrad() {
+    /// gradient is split over the batch, the second half's partial sum
+    /// (and, widening, one tile of widened rows per half).
+    pub fn backward_workspace_len_for(&self, widens: bool) -> usize {
+        if !self.is_pointwise() {
+            2 * self.forward_workspace_len_for(widens)
+        } else if self.splits_wgrad() {
             self.weight_len()
+                + if widens {
+                    2 * self.tile_rows() * self.cin
+                } else {
+                    0
+                }
         } else {
-            2 * self.forward_workspace_len()
+            self.forward_workspace_len_for(widens)
         }
+    }
+
+    /// f32 elements of one tile of output rows: what
+    /// [`conv2d_forward_bf16_out`] computes in f32 before storing it.
+    pub fn output_tile_len(&self) -> usize {
+        self.tile_rows() * self.cout
+    }
+
+    /// Whether a convolution widens its input tile by tile: a bf16 input
+    /// with the f32 GEMM (the native bf16 GEMM reads the words in place).
+    pub fn widens(input: DType, math: GemmMath) -> bool {
+        input == DType::BF16 && !math.native_bf16()
     }
 
     /// Whether the pointwise weight gradient `xᵀ·dy` is computed as two
@@ -196,9 +247,15 @@ fn patch_runs(g: &ConvGeom, r: usize) -> impl Iterator<Item = Option<PatchRun>> 
     })
 }
 
-/// Copy the patches of output rows `row0..row0+rows` into `col` (rows, K).
-fn im2col_tile(col: &mut [f32], x: &[f32], g: &ConvGeom, row0: usize, rows: usize) {
+/// Copy the patches of output rows `row0..row0+rows` into `col` (rows, K),
+/// from an f32 input or, widened, from a bf16 one.
+fn im2col_tile(col: &mut [f32], x: ConvInput<'_>, g: &ConvGeom, row0: usize, rows: usize) {
     let (k, line) = (g.k(), g.kw * g.cin);
+    let (x, x_bf16): (&[f32], &[u16]) = match x {
+        ConvInput::F32(x) => (x, &[]),
+        ConvInput::Bf16Words(w) => (&[], bytemuck::cast_slice(w)),
+    };
+    let bf16_in = x.is_empty();
     col[..rows * k]
         .par_chunks_mut(k)
         .enumerate()
@@ -209,7 +266,11 @@ fn im2col_tile(col: &mut [f32], x: &[f32], g: &ConvGeom, row0: usize, rows: usiz
                     continue;
                 };
                 dst[..lo].fill(0.0);
-                dst[lo..hi].copy_from_slice(&x[src..src + hi - lo]);
+                if bf16_in {
+                    bf16_to_f32(&mut dst[lo..hi], &x_bf16[src..src + hi - lo]);
+                } else {
+                    dst[lo..hi].copy_from_slice(&x[src..src + hi - lo]);
+                }
                 dst[hi..].fill(0.0);
             }
         });
@@ -312,14 +373,14 @@ fn col2im_tile(dx: &mut [f32], dcol: &[f32], g: &ConvGeom, row0: usize, rows: us
         });
 }
 
-/// A bf16 input needs the native bf16 GEMM (the f32 GEMM reads f32) and an
-/// even `cin` (rows of whole words); callers choose the input form, so
-/// this is an engine bug, never user input.
+/// A bf16 input needs the bf16 arithmetic and an even `cin` (rows of
+/// whole words); callers choose the input form, so this is an engine bug,
+/// never user input.
 fn check_bf16_input(g: &ConvGeom, x: ConvInput<'_>, math: GemmMath) {
     if let ConvInput::Bf16Words(_) = x {
         assert!(
-            math.native_bf16() && g.cin.is_multiple_of(2),
-            "conv2d: bf16 input needs the native bf16 GEMM and an even cin ({g:?})"
+            math == GemmMath::Bf16 && g.cin.is_multiple_of(2),
+            "conv2d: bf16 input needs the bf16 arithmetic and an even cin ({g:?})"
         );
     }
 }
@@ -331,7 +392,8 @@ fn check_lens(g: &ConvGeom, y: usize, x: usize, w: usize) {
 }
 
 /// y (n, oh, ow, cout) = conv(x (n, h, w, cin), w (kh, kw, cin, cout)).
-/// `ws` holds at least `g.forward_workspace_len()` floats. `math` is the
+/// `ws` holds at least `g.forward_workspace_len_for(widens)` floats
+/// ([`ConvGeom::widens`]). `math` is the
 /// GEMM arithmetic: bf16 takes bf16-representable `x` (the native kernel
 /// rounds the weight as it packs it; the f32 fallback needs it
 /// bf16-representable too) and returns `y` rounded to bf16, as a bf16
@@ -361,62 +423,140 @@ fn conv2d_forward_untimed(
     check_bf16_input(g, x, math);
     let wm = MatRef::row_major(w, g.k(), g.cout);
     if g.is_pointwise() {
-        let rows = g.rows();
+        // One GEMM over every row.
+        forward_rows(y, x, wm, None, g, 0, g.rows(), ws, math);
+        return;
+    }
+    let tile = g.tile_rows();
+    // The native bf16 GEMM takes the patches as bf16 rows (half the bytes
+    // written, and no second pass to pack them); the weight is packed once
+    // for all tiles.
+    let w_packed = math.native_bf16().then(|| pack_rhs(wm));
+    for row0 in (0..g.rows()).step_by(tile) {
+        let rows = tile.min(g.rows() - row0);
+        let y_tile = &mut y[row0 * g.cout..(row0 + rows) * g.cout];
+        forward_rows(y_tile, x, wm, w_packed.as_ref(), g, row0, rows, ws, math);
+    }
+}
+
+/// [`conv2d_forward`] with `y` stored in bf16 (`math` bf16): each tile of
+/// output rows is computed in f32 in the workspace, after the input's
+/// part, and stored rounded, so no f32 copy of the whole output exists.
+/// `ws` holds at least `g.forward_workspace_len_for(widens) +
+/// g.output_tile_len()` floats; `y` holds the bits of the f32 kernel's
+/// rounded output.
+pub fn conv2d_forward_bf16_out(
+    y: &mut [half::bf16],
+    x: ConvInput<'_>,
+    w: &[f32],
+    g: &ConvGeom,
+    ws: &mut [f32],
+    math: GemmMath,
+) {
+    timed(Family::ConvForward, 2 * g.macs() as u64, || {
+        check_lens(g, y.len(), x.len(), w.len());
+        check_bf16_input(g, x, math);
+        assert_eq!(
+            math,
+            GemmMath::Bf16,
+            "conv2d: a bf16 output needs bf16 arithmetic"
+        );
+        let wm = MatRef::row_major(w, g.k(), g.cout);
+        let widens = x.is_bf16() && !math.native_bf16();
+        let (ws, out) = ws.split_at_mut(g.forward_workspace_len_for(widens));
+        let out = &mut out[..g.output_tile_len()];
+        let tile = g.tile_rows();
+        let w_packed = math.native_bf16().then(|| pack_rhs(wm));
+        for row0 in (0..g.rows()).step_by(tile) {
+            let rows = tile.min(g.rows() - row0);
+            let o = &mut out[..rows * g.cout];
+            forward_rows(o, x, wm, w_packed.as_ref(), g, row0, rows, ws, math);
+            let y_tile = &mut y[row0 * g.cout..(row0 + rows) * g.cout];
+            y_tile
+                .par_chunks_mut(1 << 14)
+                .zip(o.par_chunks(1 << 14))
+                .for_each(|(d, s)| f32_to_bf16(bytemuck::cast_slice_mut(d), s));
+        }
+    })
+}
+
+/// Output rows `row0..row0+rows` of the convolution into `y` (rows·cout
+/// f32, rounded to bf16 under bf16 arithmetic). `ws` holds the input's
+/// part of the workspace: an im2col tile, or widened rows.
+#[allow(clippy::too_many_arguments)]
+fn forward_rows(
+    y: &mut [f32],
+    x: ConvInput<'_>,
+    wm: MatRef<'_>,
+    w_packed: Option<&PackedRhs>,
+    g: &ConvGeom,
+    row0: usize,
+    rows: usize,
+    ws: &mut [f32],
+    math: GemmMath,
+) {
+    let rhs = || w_packed.map_or(Rhs::F32(wm), Rhs::Packed);
+    if g.is_pointwise() {
         match (x, math) {
-            (ConvInput::Bf16Words(words), _) => {
+            (ConvInput::Bf16Words(_), _) if !math.native_bf16() => {
+                // The f32 GEMM, one tile of widened rows at a time: each
+                // output row is its own dot products.
+                let tile = g.tile_rows();
+                assert!(
+                    ws.len() >= tile.min(rows) * g.cin,
+                    "conv2d_forward: workspace too small"
+                );
+                for r0 in (row0..row0 + rows).step_by(tile) {
+                    let n = tile.min(row0 + rows - r0);
+                    let a = &mut ws[..n * g.cin];
+                    widen_rows(a, x.bf16_rows(g, r0, n).expect("bf16 input"));
+                    let y_tile = &mut y[(r0 - row0) * g.cout..(r0 - row0 + n) * g.cout];
+                    let a = MatRef::row_major(a, n, g.cin);
+                    gemm_bf16_rounded(y_tile, a, wm, Accumulate::No);
+                }
+            }
+            (ConvInput::Bf16Words(_), _) => {
+                let words = x.bf16_rows(g, row0, rows).expect("bf16 input");
                 let a = Lhs::Bf16Rows {
                     words,
                     rows,
                     k: g.cin,
                 };
-                gemm_bf16_lhs(y, a, Rhs::F32(wm), Accumulate::No, true)
+                gemm_bf16_lhs(y, a, rhs(), Accumulate::No, true)
             }
             (ConvInput::F32(x), GemmMath::Bf16) => {
-                gemm_bf16_rounded(y, MatRef::row_major(x, rows, g.cin), wm, Accumulate::No)
+                let a = MatRef::row_major(&x[row0 * g.cin..(row0 + rows) * g.cin], rows, g.cin);
+                gemm_bf16_rounded(y, a, wm, Accumulate::No)
             }
-            (ConvInput::F32(x), GemmMath::F32) => gemm(
-                y,
-                MatRef::row_major(x, rows, g.cin),
-                wm,
-                Accumulate::No,
-                math,
-            ),
+            (ConvInput::F32(x), GemmMath::F32) => {
+                let a = MatRef::row_major(&x[row0 * g.cin..(row0 + rows) * g.cin], rows, g.cin);
+                gemm(y, a, wm, Accumulate::No, math)
+            }
         }
         return;
     }
-    let (k, tile) = (g.k(), g.tile_rows());
-    assert!(ws.len() >= tile * k, "conv2d_forward: workspace too small");
-    // The native bf16 GEMM takes the patches as bf16 rows: half the bytes
-    // written, and no second pass to pack them; the weight is packed once
-    // for all tiles.
-    let native_bf16 = math.native_bf16();
-    let w_packed = native_bf16.then(|| pack_rhs(wm));
-    for row0 in (0..g.rows()).step_by(tile) {
-        let rows = tile.min(g.rows() - row0);
-        let y_tile = &mut y[row0 * g.cout..(row0 + rows) * g.cout];
-        if let Some(w_packed) = &w_packed {
-            let words: &mut [u32] = bytemuck::cast_slice_mut(&mut ws[..]);
-            im2col_tile_bf16(words, x, g, row0, rows);
-            let words = &words[..rows * k.div_ceil(2)];
-            let a = Lhs::Bf16Rows { words, rows, k };
-            gemm_bf16_lhs(y_tile, a, Rhs::Packed(w_packed), Accumulate::No, true);
-            continue;
-        }
-        let ConvInput::F32(x) = x else {
-            unreachable!("checked: bf16 input only with the native GEMM")
-        };
-        im2col_tile(ws, x, g, row0, rows);
-        let col = MatRef::row_major(&ws[..rows * k], rows, k);
-        gemm(y_tile, col, wm, Accumulate::No, math);
-        if math == GemmMath::Bf16 {
-            round_to_bf16(y_tile);
-        }
+    let k = g.k();
+    assert!(ws.len() >= rows * k, "conv2d_forward: workspace too small");
+    if let Some(w_packed) = w_packed {
+        let words: &mut [u32] = bytemuck::cast_slice_mut(&mut ws[..]);
+        im2col_tile_bf16(words, x, g, row0, rows);
+        let words = &words[..rows * k.div_ceil(2)];
+        let a = Lhs::Bf16Rows { words, rows, k };
+        gemm_bf16_lhs(y, a, Rhs::Packed(w_packed), Accumulate::No, true);
+        return;
+    }
+    im2col_tile(ws, x, g, row0, rows);
+    let col = MatRef::row_major(&ws[..rows * k], rows, k);
+    gemm(y, col, wm, Accumulate::No, math);
+    if math == GemmMath::Bf16 {
+        round_to_bf16(y);
     }
 }
 
 /// Gradients of a convolution. `dw += xᵀ-patches · dy`; when `dx` is given,
 /// `dx += dy · wᵀ` scattered back (it accumulates, for residual fan-in).
-/// `ws` holds at least `g.backward_workspace_len()` floats.
+/// `ws` holds at least `g.backward_workspace_len_for(widens)` floats
+/// ([`ConvGeom::widens`]).
 ///
 /// `math` is the GEMM arithmetic of both gradients (bf16 needs
 /// bf16-representable `dy`, `x` and `w`, and returns `dx` rounded to bf16,
@@ -441,11 +581,26 @@ pub fn conv2d_backward(
         let rows = g.rows();
         let dym = MatRef::row_major(dy, rows, cout);
         let flops = 2 * g.macs() as u64;
+        let widens = x.is_bf16() && !math.native_bf16();
+        let tile = g.tile_rows();
         // dw [+]= x[r0..r0+n]ᵀ · dy[r0..r0+n]: a bf16 input is the
-        // transpose of its rows, read in place by the GEMM's packing.
-        let wgrad = |dw: &mut [f32], r0: usize, n: usize, acc: Accumulate| {
+        // transpose of its rows, read in place by the native GEMM's
+        // packing, or widened a tile at a time into `buf` for the f32 GEMM
+        // (which then sums the rows tile by tile).
+        let wgrad = |dw: &mut [f32], r0: usize, n: usize, acc: Accumulate, buf: &mut [f32]| {
             let b = MatRef::row_major(&dy[r0 * cout..(r0 + n) * cout], n, cout);
             match (x.bf16_rows(g, r0, n), x) {
+                (Some(_), _) if widens => {
+                    for t0 in (r0..r0 + n).step_by(tile) {
+                        let m = tile.min(r0 + n - t0);
+                        let a = &mut buf[..m * g.cin];
+                        widen_rows(a, x.bf16_rows(g, t0, m).expect("bf16 input"));
+                        let a = MatRef::row_major(a, m, g.cin).t();
+                        let b = MatRef::row_major(&dy[t0 * cout..(t0 + m) * cout], m, cout);
+                        let acc = if t0 == r0 { acc } else { Accumulate::Yes };
+                        gemm(dw, a, b, acc, math);
+                    }
+                }
                 (Some(words), _) => {
                     let a = Lhs::Bf16RowsTransposed {
                         words,
@@ -461,19 +616,26 @@ pub fn conv2d_backward(
                 (None, ConvInput::Bf16Words(_)) => unreachable!("bf16_rows is Some"),
             }
         };
+        let buf_len = if widens { tile * g.cin } else { 0 };
+        assert!(
+            ws.len() >= g.backward_workspace_len_for(widens),
+            "conv2d_backward: workspace too small"
+        );
         timed(Family::ConvWgrad, flops, || {
             if g.splits_wgrad() {
                 let half = rows / 2;
-                let part = &mut ws[..dw.len()];
+                let (part, rest) = ws.split_at_mut(dw.len());
+                let (buf0, rest) = rest.split_at_mut(buf_len);
+                let buf1 = &mut rest[..buf_len];
                 rayon::join(
-                    || wgrad(dw, 0, half, Accumulate::Yes),
-                    || wgrad(part, half, rows - half, Accumulate::No),
+                    || wgrad(dw, 0, half, Accumulate::Yes, buf0),
+                    || wgrad(part, half, rows - half, Accumulate::No, buf1),
                 );
                 for (d, p) in dw.iter_mut().zip(part.iter()) {
                     *d += p;
                 }
             } else {
-                wgrad(dw, 0, rows, Accumulate::Yes)
+                wgrad(dw, 0, rows, Accumulate::Yes, &mut ws[..buf_len])
             }
         });
         if let Some(dx) = dx {
@@ -513,9 +675,6 @@ pub fn conv2d_backward(
                 gemm_bf16_lhs(dw, a, Rhs::F32(dy_tile), Accumulate::Yes, false);
                 return;
             }
-            let ConvInput::F32(x) = x else {
-                unreachable!("checked: bf16 input only with the native GEMM")
-            };
             im2col_tile(col, x, g, row0, rows);
             let col_t = MatRef::row_major(&col[..rows * k], rows, k).t();
             gemm(dw, col_t, dy_tile, Accumulate::Yes, math);
@@ -950,7 +1109,7 @@ mod tests {
             let x = rand_vec(&mut r, g.input_len());
             let (k, rows) = (g.k(), g.rows());
             let mut col = vec![f32::NAN; rows * k];
-            im2col_tile(&mut col, &x, &g, 0, rows);
+            im2col_tile(&mut col, ConvInput::F32(&x), &g, 0, rows);
             let k2 = k.div_ceil(2);
             let mut want = vec![0u16; rows * 2 * k2];
             for (w, c) in want.chunks_exact_mut(2 * k2).zip(col.chunks_exact(k)) {
@@ -967,19 +1126,23 @@ mod tests {
         }
     }
 
+    /// A bf16 input, read in place (by the native GEMM, or widened tile by
+    /// tile for the f32 GEMM, whichever this CPU runs), gives the bits of
+    /// its f32 copy; and a bf16 output holds the bits of the f32 kernel's
+    /// rounded output. The pointwise weight gradient of a widened input
+    /// sums its rows tile by tile, so there it is held to the f64
+    /// reference instead (the multi-tile case: 2*64*64 rows of 320).
     #[test]
     fn bf16_input_gives_the_bits_of_its_f32_copy() {
-        if !GemmMath::Bf16.native_bf16() {
-            eprintln!("skipped: this CPU has no AVX512-BF16");
-            return;
-        }
         // Pointwise (plain, and with the weight gradient split: 2*48*49 rows),
-        // strided 1x1, padded 3x3; even cin, ragged against the GEMM tiles.
+        // strided 1x1, padded 3x3; even cin, ragged against the GEMM tiles;
+        // last, pointwise over several widening tiles.
         let cases = [
             (2, 6, 5, 8, 6, 1, 1, 0),
             (2, 48, 49, 8, 5, 1, 1, 0),
             (3, 9, 7, 6, 10, 1, 2, 0),
             (2, 9, 8, 18, 7, 3, 2, 1),
+            (2, 64, 64, 320, 6, 1, 1, 0),
         ];
         for (n, h, w, cin, cout, kk, stride, pad) in cases {
             let g = ConvGeom {
@@ -996,18 +1159,27 @@ mod tests {
             let mut r = rng(7);
             let mut x = rand_vec(&mut r, g.input_len());
             round_to_bf16(&mut x);
-            let wt = rand_vec(&mut r, g.weight_len());
+            let mut wt = rand_vec(&mut r, g.weight_len());
+            // The f32 GEMM's bf16 arithmetic takes a rounded weight.
+            round_to_bf16(&mut wt);
             let mut dy = rand_vec(&mut r, g.output_len());
             round_to_bf16(&mut dy);
             let mut halves = vec![0u16; x.len()];
             f32_to_bf16(&mut halves, &x);
             let words: Vec<u32> = bytemuck::cast_slice(&halves).to_vec();
             let run = |input: ConvInput<'_>| {
-                let ws_len = g.backward_workspace_len().max(g.forward_workspace_len());
+                let widens = input.is_bf16() && !GemmMath::Bf16.native_bf16();
+                let ws_len = g
+                    .backward_workspace_len_for(widens)
+                    .max(g.forward_workspace_len_for(widens) + g.output_tile_len());
                 let mut ws = vec![f32::NAN; ws_len];
                 let mut y = vec![0.0; g.output_len()];
                 conv2d_forward(&mut y, input, &wt, &g, &mut ws, GemmMath::Bf16);
+                let mut y_low = vec![half::bf16::ZERO; g.output_len()];
+                ws.fill(f32::NAN);
+                conv2d_forward_bf16_out(&mut y_low, input, &wt, &g, &mut ws, GemmMath::Bf16);
                 let (mut dx, mut dw) = (vec![0.25; x.len()], vec![0.5; wt.len()]);
+                ws.fill(f32::NAN);
                 conv2d_backward(
                     Some(&mut dx),
                     &mut dw,
@@ -1018,12 +1190,29 @@ mod tests {
                     &mut ws,
                     GemmMath::Bf16,
                 );
-                [y, dx, dw].map(|v| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>())
+                let low: Vec<f32> = y_low.iter().map(|v| v.to_f32()).collect();
+                [y, low, dx, dw]
             };
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             let want = run(ConvInput::F32(&x));
             let got = run(ConvInput::Bf16Words(&words));
-            for (name, (a, b)) in ["y", "dx", "dw"].iter().zip(got.iter().zip(&want)) {
-                assert_eq!(a, b, "{name} {g:?}");
+            let tiled_wgrad = g.is_pointwise()
+                && !GemmMath::Bf16.native_bf16()
+                && g.tile_rows() < g.rows().div_ceil(if g.splits_wgrad() { 2 } else { 1 });
+            for (name, (a, b)) in ["y", "y bf16", "dx"].iter().zip(got.iter().zip(&want)) {
+                assert_eq!(bits(a), bits(b), "{name} {g:?}");
+            }
+            assert_eq!(
+                bits(&want[1]),
+                bits(&want[0]),
+                "bf16 output = rounded f32 output {g:?}"
+            );
+            if tiled_wgrad {
+                let (_, dw_ref) = conv2d_backward_ref(&to_f64(&dy), &to_f64(&x), &to_f64(&wt), &g);
+                let dw_ref: Vec<f64> = dw_ref.iter().map(|v| v + 0.5).collect();
+                assert_close("tiled dw", &got[3], &dw_ref, 1e-3, 1e-4);
+            } else {
+                assert_eq!(bits(&got[3]), bits(&want[3]), "dw {g:?}");
             }
         }
     }

@@ -3,6 +3,7 @@
 
 use rayon::prelude::*;
 
+use crate::device::cpu::f32_to_bf16;
 use crate::ops::{ReadF32, RoundChunk};
 
 const CHUNK: usize = 1 << 14; // elements per parallel chunk, a multiple of 8
@@ -67,6 +68,41 @@ pub fn add_relu_forward<R: ReadF32>(
         });
 }
 
+/// [`add_relu_forward`] on a bf16 `x`: the sum is formed in f32 and
+/// rounded to bf16 as it is stored, the bits the f32 kernel's bf16
+/// rounding gives.
+pub fn add_relu_forward_bf16<R: ReadF32>(x: &mut [half::bf16], residual: &[R], mask: &mut [u8]) {
+    assert_eq!(x.len(), residual.len(), "add_relu_forward_bf16: lengths");
+    assert_eq!(
+        mask.len(),
+        x.len().div_ceil(8),
+        "add_relu_forward_bf16: mask length"
+    );
+    x.par_chunks_mut(CHUNK)
+        .zip(residual.par_chunks(CHUNK))
+        .zip(mask.par_chunks_mut(CHUNK / 8))
+        .for_each(|((x, res), mask)| {
+            // The chunk's sums in f32, then one vector conversion.
+            let mut sum = vec![0.0f32; x.len()];
+            for (((ss, xs), rs), m) in sum
+                .chunks_mut(8)
+                .zip(x.chunks(8))
+                .zip(res.chunks(8))
+                .zip(mask.iter_mut())
+            {
+                let mut bits = 0u8;
+                for (j, ((o, v), &r)) in ss.iter_mut().zip(xs).zip(rs).enumerate() {
+                    let s = v.f32() + r.f32();
+                    let pos = s > 0.0;
+                    bits |= (pos as u8) << j;
+                    *o = if pos { s } else { 0.0 };
+                }
+                *m = bits;
+            }
+            f32_to_bf16(bytemuck::cast_slice_mut(x), &sum);
+        });
+}
+
 /// In place: x = max(x, 0), and bit i of `mask` = (x_i > 0). A ReLU whose
 /// output is kept by the next stage remembers only this mask.
 pub fn relu_mask_forward(x: &mut [f32], mask: &mut [u8]) {
@@ -124,7 +160,32 @@ pub fn relu_ref(x: &[f64]) -> Vec<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::device::cpu::round_to_bf16;
     use crate::ops::testutil::*;
+
+    /// The bf16 residual add gives the bits of the f32 kernel with bf16
+    /// rounding, and the same mask, over several chunks and a ragged tail.
+    #[test]
+    fn bf16_add_relu_is_the_rounded_f32_one() {
+        let mut r = rng(21);
+        let n = 2 * CHUNK + 11;
+        let mut x = rand_vec(&mut r, n);
+        round_to_bf16(&mut x);
+        let mut res = rand_vec(&mut r, n);
+        round_to_bf16(&mut res);
+        let res_low: Vec<half::bf16> = res.iter().map(|&v| half::bf16::from_f32(v)).collect();
+        let mut want = x.clone();
+        let mut want_mask = vec![0u8; n.div_ceil(8)];
+        let round: RoundChunk = Some(round_to_bf16);
+        add_relu_forward(&mut want, &res, &mut want_mask, round);
+        let mut got: Vec<half::bf16> = x.iter().map(|&v| half::bf16::from_f32(v)).collect();
+        let mut mask = vec![0u8; n.div_ceil(8)];
+        add_relu_forward_bf16(&mut got, &res_low, &mut mask);
+        let got: Vec<u32> = got.iter().map(|v| v.to_f32().to_bits()).collect();
+        let want: Vec<u32> = want.iter().map(|v| v.to_bits()).collect();
+        assert_eq!(got, want);
+        assert_eq!(mask, want_mask);
+    }
 
     #[test]
     fn relu_and_masked_relu_match_reference() {

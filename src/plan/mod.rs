@@ -34,6 +34,7 @@ use crate::exec::{BnRollback, LossOptions, Plan, forward_backward, forward_eval}
 use crate::memory::{Category, MemoryStats, Pool, Tag};
 use crate::nn::{BnPolicy, Mode, ResNet, ResNetConfig};
 use crate::optim::{GradBuckets, Optimizer, uses_loss_scaler};
+use crate::tensor::DType;
 
 /// Bytes and FLOPs of one stage for one micro-batch.
 #[derive(Clone, Debug, PartialEq)]
@@ -118,6 +119,10 @@ impl CostModel {
         let n = micro_batch;
         let mut stages = Vec::with_capacity(model.stages.len());
         let ctx = model.ctx(&pool);
+        // Each stage's input is stored as the stage before it stores its
+        // output (bf16 under bf16 where the device reads it in place): the
+        // checkpoints the DP weighs are those tensors.
+        let mut input_dtype = DType::F32;
         for (i, stage) in model.stages.iter_mut().enumerate() {
             let (h, w, c) = dims[i];
             let category = if i == 0 {
@@ -127,9 +132,15 @@ impl CostModel {
             };
             let before = pool.live_bytes();
             pool.reset_peak();
-            let x = pool.empty_f32(&[n, h, w, c], category, Tag::fixed("plan.input"))?;
+            let x = pool.empty(
+                &[n, h, w, c],
+                input_dtype,
+                category,
+                Tag::fixed("plan.input"),
+            )?;
             let input = x.bytes();
             let (y, saved) = stage.forward(&ctx, x, Mode::Train)?;
+            input_dtype = y.dtype();
             let forward_peak = pool.stats().peak_total - before;
             let saved = saved.ok_or_else(|| Error::invalid("plan", "stage saved nothing"))?;
             let saved_bytes = saved.bytes();
@@ -409,6 +420,7 @@ fn simulate_run(
     processes: usize,
 ) -> Result<MemoryStats> {
     let pool = Pool::on(Device::Meta(config.target));
+    pool.record_peak_buffers(true);
     let mut model = ResNet::new(&pool, train_config(config))?;
     model.set_bn_policy(bn);
     model.check_image_size(image_size, image_size)?;

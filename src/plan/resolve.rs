@@ -270,6 +270,12 @@ pub fn report(r: &Resolved, batch: usize) -> String {
             fmt_bytes(p.peak.get(cat))
         );
     }
+    if !p.largest_at_peak.is_empty() {
+        let _ = writeln!(s, "largest buffers at the peak:");
+        for (tag, cat, bytes) in &p.largest_at_peak {
+            let _ = writeln!(s, "  {:>12}  {:<11} {tag}", fmt_bytes(*bytes), cat.name());
+        }
+    }
     let base = c.step_seconds();
     let extra = c.recompute_seconds(&r.plan) + 0.0; // an empty f64 sum is -0.0
     let _ = writeln!(
