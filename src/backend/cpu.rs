@@ -242,7 +242,7 @@ pub(super) fn bn_backward(
         dx: dx.f32_mut(),
         dgamma: dgamma.map(|t| t.f32_mut()),
         dbeta: dbeta.map(|t| t.f32_mut()),
-        dy: dy.f32(),
+        dy,
         mean: mean.f32(),
         rstd: rstd.f32(),
         gamma: gamma.f32(),
@@ -256,13 +256,13 @@ pub(super) fn bn_backward(
     });
 }
 
-/// The arguments of one `bn_backward` besides the two that may be stored in
-/// bf16 (`x`, `relu_out`), whose element types `run` dispatches on.
+/// The arguments of one `bn_backward`; `run` dispatches on the element
+/// types of the three that may be stored in bf16 (`x`, `relu_out`, `dy`).
 struct BnBackwardArgs<'a> {
     dx: &'a mut [f32],
     dgamma: Option<&'a mut [f32]>,
     dbeta: Option<&'a mut [f32]>,
-    dy: &'a [f32],
+    dy: &'a Tensor,
     mean: &'a [f32],
     rstd: &'a [f32],
     gamma: &'a [f32],
@@ -281,11 +281,19 @@ impl BnBackwardArgs<'_> {
     }
 
     fn run2<X: ReadF32, O: ReadF32>(self, x: &[X], relu_out: Option<&[O]>) {
+        let dy = self.dy;
+        match dy.dtype() {
+            DType::BF16 => self.run3(dy.bf16(), x, relu_out),
+            _ => self.run3(dy.f32(), x, relu_out),
+        }
+    }
+
+    fn run3<D: ReadF32, X: ReadF32, O: ReadF32>(self, dy: &[D], x: &[X], relu_out: Option<&[O]>) {
         bn::bn_backward(
             self.dx,
             self.dgamma,
             self.dbeta,
-            self.dy,
+            dy,
             x,
             self.mean,
             self.rstd,
@@ -315,7 +323,10 @@ pub(super) fn add_relu_forward(z: &mut Tensor, residual: &Tensor, mask: &mut Ten
 }
 
 pub(super) fn add_assign(acc: &mut Tensor, x: &Tensor, p: Precision) {
-    add::add_assign(acc.f32_mut(), x.f32(), p.chunk_round());
+    match x.dtype() {
+        DType::BF16 => add::add_assign(acc.f32_mut(), x.bf16(), p.chunk_round()),
+        _ => add::add_assign(acc.f32_mut(), x.f32(), p.chunk_round()),
+    }
 }
 
 pub(super) fn relu_mask_forward(x: &mut Tensor, mask: &mut Tensor) {
@@ -323,7 +334,10 @@ pub(super) fn relu_mask_forward(x: &mut Tensor, mask: &mut Tensor) {
 }
 
 pub(super) fn relu_mask_backward_inplace(d: &mut Tensor, mask: &Tensor) {
-    relu::relu_mask_backward_inplace(d.f32_mut(), mask.bits());
+    match d.dtype() {
+        DType::BF16 => relu::relu_mask_backward_inplace(d.bf16_mut(), mask.bits()),
+        _ => relu::relu_mask_backward_inplace(d.f32_mut(), mask.bits()),
+    }
 }
 
 pub(super) fn maxpool_forward(y: &mut Tensor, x: &Tensor, g: &PoolGeom) {
@@ -337,7 +351,14 @@ pub(super) fn maxpool_backward(
     g: &PoolGeom,
     p: Precision,
 ) {
-    maxpool::maxpool_backward(dx.f32_mut(), dy.f32(), x.f32(), g);
+    match (dy.dtype(), x.dtype()) {
+        (DType::BF16, DType::BF16) => {
+            maxpool::maxpool_backward(dx.f32_mut(), dy.bf16(), x.bf16(), g)
+        }
+        (DType::BF16, _) => maxpool::maxpool_backward(dx.f32_mut(), dy.bf16(), x.f32(), g),
+        (_, DType::BF16) => maxpool::maxpool_backward(dx.f32_mut(), dy.f32(), x.bf16(), g),
+        _ => maxpool::maxpool_backward(dx.f32_mut(), dy.f32(), x.f32(), g),
+    }
     p.round(dx.f32_mut());
 }
 

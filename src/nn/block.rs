@@ -9,7 +9,7 @@ use rand::rngs::ChaCha8Rng;
 use crate::backend;
 use crate::error::Result;
 use crate::memory::{Category, Pool, Tag};
-use crate::nn::precision::{View, bf16_or_f32_view, f32_view, store};
+use crate::nn::precision::{View, bf16_or_f32_view, f32_view, store, store_grad};
 use crate::nn::{BatchNorm, BnStats, Conv, Ctx, Mode, Precision};
 use crate::tensor::{DType, Tensor};
 
@@ -24,8 +24,8 @@ fn keep_bn_relu(ctx: &Ctx<'_>, a: Tensor, p: Precision, recompute: bool) -> Resu
 }
 
 /// The BN+ReLU output a backward needs: the kept tensor (read in place
-/// when f32 or bf16), or `relu(bn(y))` recomputed in f32 with the
-/// forward's statistics.
+/// when f32 or bf16), or `relu(bn(y))` recomputed with the forward's
+/// statistics, in the form the forward kept.
 fn bn_relu_view<'a>(
     ctx: &Ctx<'_>,
     kept: &'a Option<Tensor>,
@@ -35,11 +35,10 @@ fn bn_relu_view<'a>(
 ) -> Result<View<'a>> {
     match kept {
         Some(a) => bf16_or_f32_view(ctx, a),
-        None => Ok(View::Owned(bn.apply(
+        None => Ok(View::Owned(bn.apply_relu_for_conv(
             ctx,
             y,
             stats,
-            true,
             Tag::new(&bn.name, "a_recomputed"),
         )?)),
     }
@@ -351,7 +350,8 @@ impl BasicBlock {
         drop(d_y1);
         let down = self.downsample.as_mut().zip(s.down);
         join_residual_backward(ctx, down, &d_z, x, &mut d_x, p)?;
-        Ok(d_x)
+        drop((d_z, x_copy));
+        store_grad(ctx, d_x, p)
     }
 
     pub fn saved_bytes(&self, n: usize, h: usize, w: usize, p: Precision) -> usize {
@@ -562,7 +562,8 @@ impl Bottleneck {
         drop(d_y1);
         let down = self.downsample.as_mut().zip(s.down);
         join_residual_backward(ctx, down, &d_z, x, &mut d_x, p)?;
-        Ok(d_x)
+        drop((d_z, x_copy));
+        store_grad(ctx, d_x, p)
     }
 
     pub fn saved_bytes(&self, n: usize, h: usize, w: usize, p: Precision) -> usize {

@@ -429,6 +429,23 @@ impl BatchNorm {
         Ok(y)
     }
 
+    /// `relu(bn(x))` with given statistics as a convolution reads it: in
+    /// bf16 where [`BatchNorm::forward_relu_for_conv`] writes bf16, else
+    /// f32 — what a backward recomputes instead of keeping, with the bits
+    /// the forward kept.
+    pub fn apply_relu_for_conv(
+        &self,
+        ctx: &Ctx<'_>,
+        x: &Tensor,
+        stats: &BnStats,
+        tag: Tag,
+    ) -> Result<Tensor> {
+        if self.relu_out_in_bf16(ctx) {
+            return self.apply_bf16(ctx, x, stats, true, tag);
+        }
+        self.apply(ctx, x, stats, true, tag)
+    }
+
     /// Normalises `x` with given statistics (and ReLU when `relu`): the
     /// forward's second half, and what a backward runs again to recompute
     /// a BN+ReLU output instead of storing it (bit-identical to the

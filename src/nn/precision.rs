@@ -85,6 +85,18 @@ pub fn store(pool: &Pool, t: Tensor, p: Precision) -> Result<Tensor> {
     Ok(out)
 }
 
+/// An activation gradient (rounded to `p`) as a block hands it to the
+/// stage before it: under bf16 on a device that reads bf16 (`Capabilities::reads_bf16`),
+/// a bf16 copy (lossless: every op rounds the gradients it outputs to
+/// bf16, as a bf16 pass does) and the f32 original is freed; else itself.
+/// The gradient a segment's replay waits with is then half the bytes.
+pub fn store_grad(pool: &Pool, t: Tensor, p: Precision) -> Result<Tensor> {
+    if p == Precision::BF16 && t.dtype() == DType::F32 && t.device().capabilities().reads_bf16 {
+        return store(pool, t, p);
+    }
+    Ok(t)
+}
+
 /// A copy of a weight rounded to `p` for one convolution or matmul, or
 /// `None` under fp32 (use the weight itself).
 pub fn rounded_weight(pool: &Pool, w: &Tensor, p: Precision, tag: Tag) -> Result<Option<Tensor>> {

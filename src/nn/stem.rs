@@ -211,12 +211,12 @@ impl Stem {
             }
             StemTail::Pool { a } => {
                 let av = match &a {
-                    Some(a) => f32_view(ctx, a)?,
-                    None => crate::nn::precision::View::Owned(self.bn1.apply(
+                    Some(a) => bf16_or_f32_view(ctx, a)?,
+                    // In the form the forward kept it (bf16 where read).
+                    None => crate::nn::precision::View::Owned(self.bn1.apply_relu_for_conv(
                         ctx,
                         &yv,
                         &bn,
-                        true,
                         Tag::fixed("bn1.a_recomputed"),
                     )?),
                 };

@@ -3,18 +3,18 @@
 
 use rayon::prelude::*;
 
-use crate::ops::RoundChunk;
+use crate::ops::{ReadF32, RoundChunk};
 
 const CHUNK: usize = 1 << 14;
 
 /// acc += x, then `round` per chunk.
-pub fn add_assign(acc: &mut [f32], x: &[f32], round: RoundChunk) {
+pub fn add_assign<R: ReadF32>(acc: &mut [f32], x: &[R], round: RoundChunk) {
     assert_eq!(acc.len(), x.len(), "add_assign: lengths");
     acc.par_chunks_mut(CHUNK)
         .zip(x.par_chunks(CHUNK))
         .for_each(|(a, x)| {
             for (a, &v) in a.iter_mut().zip(x) {
-                *a += v;
+                *a += v.f32();
             }
             if let Some(round) = round {
                 round(a);

@@ -283,11 +283,11 @@ pub fn bn_forward_keep_x(
 /// Two passes over the data: one for the per-channel sums Σg and Σg·x̂,
 /// one writing dx as a single multiply-add chain per element.
 #[allow(clippy::too_many_arguments)]
-pub fn bn_backward<X: ReadF32, O: ReadF32>(
+pub fn bn_backward<D: ReadF32, X: ReadF32, O: ReadF32>(
     dx: &mut [f32],
     dgamma: Option<&mut [f32]>,
     dbeta: Option<&mut [f32]>,
-    dy: &[f32],
+    dy: &[D],
     x: &[X],
     mean: &[f32],
     rstd: &[f32],
@@ -313,13 +313,14 @@ pub fn bn_backward<X: ReadF32, O: ReadF32>(
         match relu_out {
             Some(o) => {
                 for ((((a, b), (&d, &xv)), &m), &ov) in lanes.zip(&o[range]) {
-                    let gv = gate(d, ov.f32());
+                    let gv = gate(d.f32(), ov.f32());
                     *a += gv;
                     *b += gv * (xv.f32() - m);
                 }
             }
             None => {
                 for (((a, b), (&d, &xv)), &m) in lanes {
+                    let d = d.f32();
                     *a += d;
                     *b += d * (xv.f32() - m);
                 }
@@ -369,12 +370,12 @@ pub fn bn_backward<X: ReadF32, O: ReadF32>(
                     Some(o) => {
                         for (((out, (&d, &xv)), ((&s, &k), (&b, &m))), &ov) in lanes.zip(&o[range])
                         {
-                            *out = s * gate(d, ov.f32()) + k * (xv.f32() - m) + b;
+                            *out = s * gate(d.f32(), ov.f32()) + k * (xv.f32() - m) + b;
                         }
                     }
                     None => {
                         for ((out, (&d, &xv)), ((&s, &k), (&b, &m))) in lanes {
-                            *out = s * d + k * (xv.f32() - m) + b;
+                            *out = s * d.f32() + k * (xv.f32() - m) + b;
                         }
                     }
                 }

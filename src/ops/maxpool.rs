@@ -5,6 +5,7 @@
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
+use crate::ops::ReadF32;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PoolGeom {
@@ -85,7 +86,7 @@ pub fn maxpool_forward(y: &mut [f32], x: &[f32], g: &PoolGeom) {
 /// running maximum and its position kept per channel in arrays, so the
 /// scan runs along the contiguous channels (it vectorises); each gradient
 /// is then added at its argmax, in output order.
-pub fn maxpool_backward(dx: &mut [f32], dy: &[f32], x: &[f32], g: &PoolGeom) {
+pub fn maxpool_backward<D: ReadF32, X: ReadF32>(dx: &mut [f32], dy: &[D], x: &[X], g: &PoolGeom) {
     let (oh, ow, c) = (g.oh(), g.ow(), g.c);
     dx.par_chunks_mut(g.h * g.w * c)
         .zip(x.par_chunks(g.h * g.w * c).zip(dy.par_chunks(oh * ow * c)))
@@ -106,6 +107,7 @@ pub fn maxpool_backward(dx: &mut [f32], dy: &[f32], x: &[f32], g: &PoolGeom) {
                             let pix = (iy * g.w + ix) as u32;
                             let inp = &x[pix as usize * c..][..c];
                             for ((b, a), &v) in best.iter_mut().zip(arg.iter_mut()).zip(inp) {
+                                let v = v.f32();
                                 let take = v > *b || v.is_nan() || *a == NONE;
                                 *b = if take { v } else { *b };
                                 *a = if take { pix } else { *a };
@@ -115,7 +117,7 @@ pub fn maxpool_backward(dx: &mut [f32], dy: &[f32], x: &[f32], g: &PoolGeom) {
                     let d = &dy[(oy * ow + ox) * c..][..c];
                     for (ch, (&a, &v)) in arg.iter().zip(d).enumerate() {
                         if a != NONE {
-                            dx[a as usize * c + ch] += v;
+                            dx[a as usize * c + ch] += v.f32();
                         }
                     }
                 }

@@ -141,13 +141,13 @@ pub fn relu_mask_backward(dx: &mut [f32], dy: &[f32], mask: &[u8]) {
 }
 
 /// In place: d = 0 where the mask bit is clear.
-pub fn relu_mask_backward_inplace(d: &mut [f32], mask: &[u8]) {
+pub fn relu_mask_backward_inplace<T: Copy + Default + Send + Sync>(d: &mut [T], mask: &[u8]) {
     d.par_chunks_mut(CHUNK)
         .zip(mask.par_chunks(CHUNK / 8))
         .for_each(|(d, mask)| {
             for (ds, &m) in d.chunks_mut(8).zip(mask) {
                 for (j, v) in ds.iter_mut().enumerate() {
-                    *v = if (m >> j) & 1 == 1 { *v } else { 0.0 };
+                    *v = if (m >> j) & 1 == 1 { *v } else { T::default() };
                 }
             }
         });
