@@ -11,7 +11,7 @@ use rayon::prelude::*;
 
 use crate::device::cpu::{
     Accumulate, GemmMath, Lhs, MatRef, PackedRhs, Rhs, bf16_to_f32, f32_to_bf16, gemm,
-    gemm_bf16_lhs, gemm_bf16_rounded, pack_rhs, round_to_bf16,
+    gemm_bf16_lhs, gemm_bf16_rounded, pack_rhs, round_to_bf16, round_to_bf16_par,
 };
 use crate::error::{Error, Result};
 use crate::profile::{Family, timed};
@@ -549,7 +549,7 @@ fn forward_rows(
     let col = MatRef::row_major(&ws[..rows * k], rows, k);
     gemm(y, col, wm, Accumulate::No, math);
     if math == GemmMath::Bf16 {
-        round_to_bf16(y);
+        round_to_bf16_par(y);
     }
 }
 

@@ -261,8 +261,15 @@ pub fn gemm_bf16_rounded(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, acc: Acc
         gemm_bf16_lhs(dst, Lhs::F32(a), Rhs::F32(b), acc, true);
     } else {
         gemm_f32(dst, a, b, acc);
-        round_to_bf16(&mut dst[..a.rows * b.cols]);
+        round_to_bf16_par(&mut dst[..a.rows * b.cols]);
     }
+}
+
+/// [`round_to_bf16`] split over the threads (elementwise, so the bits do
+/// not depend on the split).
+pub fn round_to_bf16_par(v: &mut [f32]) {
+    use rayon::prelude::*;
+    v.par_chunks_mut(1 << 14).for_each(round_to_bf16);
 }
 
 #[cfg(test)]
