@@ -663,6 +663,39 @@ pub fn parse_bytes(s: &str) -> Result<usize> {
 mod tests {
     use super::*;
 
+    /// The snapshot is the live set when the total peaked, largest first,
+    /// capped at PEAK_BUFFERS, and later smaller totals leave it alone.
+    #[test]
+    fn the_largest_buffers_at_the_peak_are_remembered() {
+        let pool = Pool::shapes_only();
+        pool.record_peak_buffers(true);
+        let t = |n: usize, name: &'static str| {
+            pool.empty_f32(&[n], Category::Activations, Tag::fixed(name))
+                .unwrap()
+        };
+        let small: Vec<Tensor> = (0..PEAK_BUFFERS).map(|_| t(1, "small")).collect();
+        let a = t(1000, "a");
+        let b = t(3000, "b");
+        drop(a);
+        let c = t(500, "c"); // below the peak (small + a + b)
+        let stats = pool.stats();
+        assert_eq!(stats.largest_at_peak.len(), PEAK_BUFFERS);
+        assert_eq!(
+            stats.largest_at_peak[0],
+            ("b".into(), Category::Activations, 12000)
+        );
+        assert_eq!(
+            stats.largest_at_peak[1],
+            ("a".into(), Category::Activations, 4000)
+        );
+        assert!(stats.largest_at_peak[2..].iter().all(|e| e.0 == "small"));
+        drop((b, c, small));
+        pool.record_peak_buffers(false);
+        assert!(pool.stats().largest_at_peak.is_empty());
+        // Off by default.
+        assert!(Pool::shapes_only().stats().largest_at_peak.is_empty());
+    }
+
     #[test]
     fn a_budget_above_physical_memory_is_warned_about() {
         let gib = 1 << 30;
