@@ -8,7 +8,7 @@ use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
 use super::LossOutput;
-use crate::device::cpu::{GemmMath, bf16_to_f32, f32_to_bf16, round_to_bf16};
+use crate::device::cpu::{GemmMath, bf16_to_f32_par, f32_to_bf16_par, round_to_bf16};
 use crate::error::Result;
 use crate::ops::batchnorm::{self as bn, BnOut};
 use crate::ops::conv2d::{self, ConvGeom, ConvInput};
@@ -445,10 +445,7 @@ pub(super) fn round(t: &mut Tensor, p: Precision) {
 pub(super) fn widen(dst: &mut Tensor, src: &Tensor) {
     let d = dst.f32_mut();
     match src.dtype() {
-        DType::BF16 => d
-            .par_chunks_mut(CHUNK)
-            .zip(src.bf16().par_chunks(CHUNK))
-            .for_each(|(d, s)| bf16_to_f32(d, bytemuck::cast_slice(s))),
+        DType::BF16 => bf16_to_f32_par(d, bytemuck::cast_slice(src.bf16())),
         DType::F16 => d
             .par_chunks_mut(CHUNK)
             .zip(src.f16().par_chunks(CHUNK))
@@ -461,11 +458,7 @@ pub(super) fn widen(dst: &mut Tensor, src: &Tensor) {
 pub(super) fn narrow(dst: &mut Tensor, src: &Tensor) {
     let s = src.f32();
     match dst.dtype() {
-        DType::BF16 => dst
-            .bf16_mut()
-            .par_chunks_mut(CHUNK)
-            .zip(s.par_chunks(CHUNK))
-            .for_each(|(d, s)| f32_to_bf16(bytemuck::cast_slice_mut(d), s)),
+        DType::BF16 => f32_to_bf16_par(bytemuck::cast_slice_mut(dst.bf16_mut()), s),
         DType::F16 => dst
             .f16_mut()
             .par_chunks_mut(CHUNK)

@@ -70,11 +70,7 @@ impl Conv {
     pub fn reads_in_place(&self, x: &Tensor, p: Precision) -> bool {
         match x.dtype() {
             DType::F32 => true,
-            DType::BF16 => {
-                p == Precision::BF16
-                    && backend::capabilities(x).reads_bf16
-                    && self.cin.is_multiple_of(2)
-            }
+            DType::BF16 => p.bf16_in_place(backend::capabilities(x)) && self.cin.is_multiple_of(2),
             _ => false,
         }
     }
@@ -127,10 +123,7 @@ impl Conv {
     /// reads bf16 (every reader of a convolution's output, the BN, does),
     /// so no f32 copy of it is made; else f32.
     fn output_dtype(&self, ctx: &Ctx<'_>) -> DType {
-        if ctx.precision == Precision::BF16
-            && ctx.device().capabilities().reads_bf16
-            && self.cout.is_multiple_of(2)
-        {
+        if ctx.precision.bf16_in_place(ctx.device().capabilities()) && self.cout.is_multiple_of(2) {
             DType::BF16
         } else {
             DType::F32
@@ -298,16 +291,15 @@ impl BatchNorm {
         mode: Mode,
         field: &'static str,
     ) -> Result<(Tensor, BnStats)> {
-        let low = self.relu_out_in_bf16(ctx);
+        let low = self.out_in_bf16(ctx);
         self.forward_as(ctx, x, true, mode, field, low)
     }
 
-    /// Whether a BN+ReLU feeding a convolution writes bf16
-    /// ([`BatchNorm::forward_relu_for_conv`]).
-    fn relu_out_in_bf16(&self, ctx: &Ctx<'_>) -> bool {
-        ctx.precision == Precision::BF16
-            && ctx.device().capabilities().reads_bf16
-            && self.c.is_multiple_of(2)
+    /// Whether this layer's output is written in bf16: under bf16 where
+    /// the device reads bf16 in place (every reader of a BN output, a
+    /// convolution or the residual add, then does), with even `c`.
+    fn out_in_bf16(&self, ctx: &Ctx<'_>) -> bool {
+        ctx.precision.bf16_in_place(ctx.device().capabilities()) && self.c.is_multiple_of(2)
     }
 
     /// [`BatchNorm::forward`] that consumes `x` and returns it as the
@@ -328,7 +320,7 @@ impl BatchNorm {
         field: &'static str,
         sp: Precision,
     ) -> Result<(Tensor, BnStats, Tensor)> {
-        let bf16_out = self.relu_out_in_bf16(ctx);
+        let bf16_out = self.out_in_bf16(ctx);
         if sp != Precision::BF16 || x.dtype() != DType::F32 {
             let (y, stats) = self.forward_as(ctx, &x, relu, mode, field, bf16_out)?;
             return Ok((y, stats, store(ctx, x, sp)?));
@@ -440,7 +432,7 @@ impl BatchNorm {
         stats: &BnStats,
         tag: Tag,
     ) -> Result<Tensor> {
-        if self.relu_out_in_bf16(ctx) {
+        if self.out_in_bf16(ctx) {
             return self.apply_bf16(ctx, x, stats, true, tag);
         }
         self.apply(ctx, x, stats, true, tag)

@@ -91,7 +91,7 @@ pub fn store(pool: &Pool, t: Tensor, p: Precision) -> Result<Tensor> {
 /// bf16, as a bf16 pass does) and the f32 original is freed; else itself.
 /// The gradient a segment's replay waits with is then half the bytes.
 pub fn store_grad(pool: &Pool, t: Tensor, p: Precision) -> Result<Tensor> {
-    if p == Precision::BF16 && t.dtype() == DType::F32 && t.device().capabilities().reads_bf16 {
+    if t.dtype() == DType::F32 && p.bf16_in_place(t.device().capabilities()) {
         return store(pool, t, p);
     }
     Ok(t)

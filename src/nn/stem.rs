@@ -213,7 +213,9 @@ impl Stem {
                 let av = match &a {
                     // Max-pool backward reads bf16 only where the device
                     // reads bf16 (the CPU); a GPU's kernel reads f32.
-                    Some(a) if a.device().capabilities().reads_bf16 => bf16_or_f32_view(ctx, a)?,
+                    Some(a) if ctx.precision.bf16_in_place(a.device().capabilities()) => {
+                        bf16_or_f32_view(ctx, a)?
+                    }
                     Some(a) => f32_view(ctx, a)?,
                     // In the form the forward kept it (bf16 where read).
                     None => crate::nn::precision::View::Owned(self.bn1.apply_relu_for_conv(

@@ -10,8 +10,9 @@
 use rayon::prelude::*;
 
 use crate::device::cpu::{
-    Accumulate, GemmMath, Lhs, MatRef, PackedRhs, Rhs, bf16_to_f32, f32_to_bf16, gemm,
-    gemm_bf16_lhs, gemm_bf16_rounded, pack_rhs, round_to_bf16, round_to_bf16_par,
+    Accumulate, GemmMath, Lhs, MatRef, PackedRhs, Rhs, bf16_to_f32, bf16_to_f32_par, f32_to_bf16,
+    f32_to_bf16_par, gemm, gemm_bf16_lhs, gemm_bf16_rounded, pack_rhs, round_to_bf16,
+    round_to_bf16_par,
 };
 use crate::error::{Error, Result};
 use crate::profile::{Family, timed};
@@ -54,19 +55,19 @@ impl ConvInput<'_> {
         }
     }
 
-    fn is_bf16(&self) -> bool {
-        matches!(self, ConvInput::Bf16Words(_))
+    /// [`ConvGeom::widens`] for this input.
+    fn widens(&self, math: GemmMath) -> bool {
+        let dtype = match self {
+            ConvInput::F32(_) => DType::F32,
+            ConvInput::Bf16Words(_) => DType::BF16,
+        };
+        ConvGeom::widens(dtype, math)
     }
 }
 
-/// `dst` (rows·cin f32) = the bf16 `words` of those rows, widened (exact),
-/// split over the threads.
+/// `dst` (rows·cin f32) = the bf16 `words` of those rows, widened (exact).
 fn widen_rows(dst: &mut [f32], words: &[u32]) {
-    let src: &[u16] = bytemuck::cast_slice(words);
-    assert_eq!(dst.len(), src.len(), "widen_rows: lengths");
-    dst.par_chunks_mut(1 << 14)
-        .zip(src.par_chunks(1 << 14))
-        .for_each(|(d, s)| bf16_to_f32(d, s));
+    bf16_to_f32_par(dst, bytemuck::cast_slice(words));
 }
 
 /// Everything that determines a convolution's shapes.
@@ -424,7 +425,7 @@ fn conv2d_forward_untimed(
     let wm = MatRef::row_major(w, g.k(), g.cout);
     if g.is_pointwise() {
         // One GEMM over every row.
-        forward_rows(y, x, wm, None, g, 0, g.rows(), ws, math);
+        forward_rows(y, x, wm, None, g, 0, g.rows(), ws, math, true);
         return;
     }
     let tile = g.tile_rows();
@@ -435,7 +436,18 @@ fn conv2d_forward_untimed(
     for row0 in (0..g.rows()).step_by(tile) {
         let rows = tile.min(g.rows() - row0);
         let y_tile = &mut y[row0 * g.cout..(row0 + rows) * g.cout];
-        forward_rows(y_tile, x, wm, w_packed.as_ref(), g, row0, rows, ws, math);
+        forward_rows(
+            y_tile,
+            x,
+            wm,
+            w_packed.as_ref(),
+            g,
+            row0,
+            rows,
+            ws,
+            math,
+            true,
+        );
     }
 }
 
@@ -462,27 +474,26 @@ pub fn conv2d_forward_bf16_out(
             "conv2d: a bf16 output needs bf16 arithmetic"
         );
         let wm = MatRef::row_major(w, g.k(), g.cout);
-        let widens = x.is_bf16() && !math.native_bf16();
-        let (ws, out) = ws.split_at_mut(g.forward_workspace_len_for(widens));
+        let (ws, out) = ws.split_at_mut(g.forward_workspace_len_for(x.widens(math)));
         let out = &mut out[..g.output_tile_len()];
         let tile = g.tile_rows();
         let w_packed = math.native_bf16().then(|| pack_rhs(wm));
         for row0 in (0..g.rows()).step_by(tile) {
             let rows = tile.min(g.rows() - row0);
             let o = &mut out[..rows * g.cout];
-            forward_rows(o, x, wm, w_packed.as_ref(), g, row0, rows, ws, math);
+            // Unrounded: the conversion rounds to nearest even, as the
+            // f32 kernel's rounding would.
+            forward_rows(o, x, wm, w_packed.as_ref(), g, row0, rows, ws, math, false);
             let y_tile = &mut y[row0 * g.cout..(row0 + rows) * g.cout];
-            y_tile
-                .par_chunks_mut(1 << 14)
-                .zip(o.par_chunks(1 << 14))
-                .for_each(|(d, s)| f32_to_bf16(bytemuck::cast_slice_mut(d), s));
+            f32_to_bf16_par(bytemuck::cast_slice_mut(y_tile), o);
         }
     })
 }
 
 /// Output rows `row0..row0+rows` of the convolution into `y` (rows·cout
-/// f32, rounded to bf16 under bf16 arithmetic). `ws` holds the input's
-/// part of the workspace: an im2col tile, or widened rows.
+/// f32; under bf16 arithmetic rounded to bf16 when `round`, else left for
+/// the caller to round). `ws` holds the input's part of the workspace: an
+/// im2col tile, or widened rows.
 #[allow(clippy::too_many_arguments)]
 fn forward_rows(
     y: &mut [f32],
@@ -494,11 +505,21 @@ fn forward_rows(
     rows: usize,
     ws: &mut [f32],
     math: GemmMath,
+    round: bool,
 ) {
     let rhs = || w_packed.map_or(Rhs::F32(wm), Rhs::Packed);
+    let round = round && math == GemmMath::Bf16;
+    // An f32 left operand times the weight, rounded as asked.
+    let f32_lhs = |y: &mut [f32], a: MatRef<'_>| {
+        if round {
+            gemm_bf16_rounded(y, a, wm, Accumulate::No)
+        } else {
+            gemm(y, a, wm, Accumulate::No, math)
+        }
+    };
     if g.is_pointwise() {
         match (x, math) {
-            (ConvInput::Bf16Words(_), _) if !math.native_bf16() => {
+            (ConvInput::Bf16Words(_), _) if x.widens(math) => {
                 // The f32 GEMM, one tile of widened rows at a time: each
                 // output row is its own dot products.
                 let tile = g.tile_rows();
@@ -511,8 +532,7 @@ fn forward_rows(
                     let a = &mut ws[..n * g.cin];
                     widen_rows(a, x.bf16_rows(g, r0, n).expect("bf16 input"));
                     let y_tile = &mut y[(r0 - row0) * g.cout..(r0 - row0 + n) * g.cout];
-                    let a = MatRef::row_major(a, n, g.cin);
-                    gemm_bf16_rounded(y_tile, a, wm, Accumulate::No);
+                    f32_lhs(y_tile, MatRef::row_major(a, n, g.cin));
                 }
             }
             (ConvInput::Bf16Words(_), _) => {
@@ -522,16 +542,12 @@ fn forward_rows(
                     rows,
                     k: g.cin,
                 };
-                gemm_bf16_lhs(y, a, rhs(), Accumulate::No, true)
+                gemm_bf16_lhs(y, a, rhs(), Accumulate::No, round)
             }
-            (ConvInput::F32(x), GemmMath::Bf16) => {
-                let a = MatRef::row_major(&x[row0 * g.cin..(row0 + rows) * g.cin], rows, g.cin);
-                gemm_bf16_rounded(y, a, wm, Accumulate::No)
-            }
-            (ConvInput::F32(x), GemmMath::F32) => {
-                let a = MatRef::row_major(&x[row0 * g.cin..(row0 + rows) * g.cin], rows, g.cin);
-                gemm(y, a, wm, Accumulate::No, math)
-            }
+            (ConvInput::F32(x), _) => f32_lhs(
+                y,
+                MatRef::row_major(&x[row0 * g.cin..(row0 + rows) * g.cin], rows, g.cin),
+            ),
         }
         return;
     }
@@ -542,13 +558,13 @@ fn forward_rows(
         im2col_tile_bf16(words, x, g, row0, rows);
         let words = &words[..rows * k.div_ceil(2)];
         let a = Lhs::Bf16Rows { words, rows, k };
-        gemm_bf16_lhs(y, a, Rhs::Packed(w_packed), Accumulate::No, true);
+        gemm_bf16_lhs(y, a, Rhs::Packed(w_packed), Accumulate::No, round);
         return;
     }
     im2col_tile(ws, x, g, row0, rows);
     let col = MatRef::row_major(&ws[..rows * k], rows, k);
     gemm(y, col, wm, Accumulate::No, math);
-    if math == GemmMath::Bf16 {
+    if round {
         round_to_bf16_par(y);
     }
 }
@@ -581,7 +597,7 @@ pub fn conv2d_backward(
         let rows = g.rows();
         let dym = MatRef::row_major(dy, rows, cout);
         let flops = 2 * g.macs() as u64;
-        let widens = x.is_bf16() && !math.native_bf16();
+        let widens = x.widens(math);
         let tile = g.tile_rows();
         // dw [+]= x[r0..r0+n]ᵀ · dy[r0..r0+n]: a bf16 input is the
         // transpose of its rows, read in place by the native GEMM's
@@ -1168,7 +1184,7 @@ mod tests {
             f32_to_bf16(&mut halves, &x);
             let words: Vec<u32> = bytemuck::cast_slice(&halves).to_vec();
             let run = |input: ConvInput<'_>| {
-                let widens = input.is_bf16() && !GemmMath::Bf16.native_bf16();
+                let widens = input.widens(GemmMath::Bf16);
                 let ws_len = g
                     .backward_workspace_len_for(widens)
                     .max(g.forward_workspace_len_for(widens) + g.output_tile_len());

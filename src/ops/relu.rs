@@ -3,7 +3,7 @@
 
 use rayon::prelude::*;
 
-use crate::device::cpu::f32_to_bf16;
+use crate::device::cpu::{bf16_to_f32, f32_to_bf16};
 use crate::ops::{ReadF32, RoundChunk};
 
 const CHUNK: usize = 1 << 14; // elements per parallel chunk, a multiple of 8
@@ -50,27 +50,32 @@ pub fn add_relu_forward<R: ReadF32>(
         .zip(residual.par_chunks(CHUNK))
         .zip(mask.par_chunks_mut(CHUNK / 8))
         .for_each(|((x, res), mask)| {
-            // Eight elements per mask byte: the inner loop has a fixed trip
-            // count and no data-dependent branch, so it vectorises.
-            for ((xs, rs), m) in x.chunks_mut(8).zip(res.chunks(8)).zip(mask.iter_mut()) {
-                let mut bits = 0u8;
-                for (j, (v, &r)) in xs.iter_mut().zip(rs).enumerate() {
-                    let s = *v + r.f32();
-                    let pos = s > 0.0;
-                    bits |= (pos as u8) << j;
-                    *v = if pos { s } else { 0.0 };
-                }
-                *m = bits;
-            }
+            add_relu_chunk(x, res, mask);
             if let Some(round) = round {
                 round(x);
             }
         });
 }
 
-/// [`add_relu_forward`] on a bf16 `x`: the sum is formed in f32 and
-/// rounded to bf16 as it is stored, the bits the f32 kernel's bf16
-/// rounding gives.
+/// One chunk of [`add_relu_forward`], unrounded.
+fn add_relu_chunk<R: ReadF32>(x: &mut [f32], res: &[R], mask: &mut [u8]) {
+    // Eight elements per mask byte: the inner loop has a fixed trip
+    // count and no data-dependent branch, so it vectorises.
+    for ((xs, rs), m) in x.chunks_mut(8).zip(res.chunks(8)).zip(mask.iter_mut()) {
+        let mut bits = 0u8;
+        for (j, (v, &r)) in xs.iter_mut().zip(rs).enumerate() {
+            let s = *v + r.f32();
+            let pos = s > 0.0;
+            bits |= (pos as u8) << j;
+            *v = if pos { s } else { 0.0 };
+        }
+        *m = bits;
+    }
+}
+
+/// [`add_relu_forward`] on a bf16 `x`: each chunk is widened, summed in
+/// f32 by the same loop and rounded to bf16 as it is stored, the bits the
+/// f32 kernel's bf16 rounding gives.
 pub fn add_relu_forward_bf16<R: ReadF32>(x: &mut [half::bf16], residual: &[R], mask: &mut [u8]) {
     assert_eq!(x.len(), residual.len(), "add_relu_forward_bf16: lengths");
     assert_eq!(
@@ -82,24 +87,11 @@ pub fn add_relu_forward_bf16<R: ReadF32>(x: &mut [half::bf16], residual: &[R], m
         .zip(residual.par_chunks(CHUNK))
         .zip(mask.par_chunks_mut(CHUNK / 8))
         .for_each(|((x, res), mask)| {
-            // The chunk's sums in f32, then one vector conversion.
+            let x: &mut [u16] = bytemuck::cast_slice_mut(x);
             let mut sum = vec![0.0f32; x.len()];
-            for (((ss, xs), rs), m) in sum
-                .chunks_mut(8)
-                .zip(x.chunks(8))
-                .zip(res.chunks(8))
-                .zip(mask.iter_mut())
-            {
-                let mut bits = 0u8;
-                for (j, ((o, v), &r)) in ss.iter_mut().zip(xs).zip(rs).enumerate() {
-                    let s = v.f32() + r.f32();
-                    let pos = s > 0.0;
-                    bits |= (pos as u8) << j;
-                    *o = if pos { s } else { 0.0 };
-                }
-                *m = bits;
-            }
-            f32_to_bf16(bytemuck::cast_slice_mut(x), &sum);
+            bf16_to_f32(&mut sum, x);
+            add_relu_chunk(&mut sum, res, mask);
+            f32_to_bf16(x, &sum);
         });
 }
 

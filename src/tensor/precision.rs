@@ -27,6 +27,13 @@ impl Precision {
         self == Precision::BF16 && caps.native_bf16
     }
 
+    /// Whether kernels on a device with `caps` read and write this type's
+    /// activations in bf16 in place (`Capabilities::reads_bf16`), so the
+    /// layers store bf16 rather than f32 copies.
+    pub fn bf16_in_place(self, caps: Capabilities) -> bool {
+        self == Precision::BF16 && caps.reads_bf16
+    }
+
     /// Storage type of saved activations.
     pub fn dtype(self) -> DType {
         match self {

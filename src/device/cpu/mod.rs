@@ -265,11 +265,32 @@ pub fn gemm_bf16_rounded(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, acc: Acc
     }
 }
 
-/// [`round_to_bf16`] split over the threads (elementwise, so the bits do
-/// not depend on the split).
+/// Elements per thread's share in the `_par` conversions below (they are
+/// elementwise, so the bits do not depend on the split).
+const PAR_CHUNK: usize = 1 << 14;
+
+/// [`round_to_bf16`] split over the threads.
 pub fn round_to_bf16_par(v: &mut [f32]) {
     use rayon::prelude::*;
-    v.par_chunks_mut(1 << 14).for_each(round_to_bf16);
+    v.par_chunks_mut(PAR_CHUNK).for_each(round_to_bf16);
+}
+
+/// [`bf16_to_f32`] split over the threads.
+pub fn bf16_to_f32_par(dst: &mut [f32], src: &[u16]) {
+    use rayon::prelude::*;
+    assert_eq!(dst.len(), src.len(), "bf16_to_f32_par: lengths");
+    dst.par_chunks_mut(PAR_CHUNK)
+        .zip(src.par_chunks(PAR_CHUNK))
+        .for_each(|(d, s)| bf16_to_f32(d, s));
+}
+
+/// [`f32_to_bf16`] split over the threads.
+pub fn f32_to_bf16_par(dst: &mut [u16], src: &[f32]) {
+    use rayon::prelude::*;
+    assert_eq!(dst.len(), src.len(), "f32_to_bf16_par: lengths");
+    dst.par_chunks_mut(PAR_CHUNK)
+        .zip(src.par_chunks(PAR_CHUNK))
+        .for_each(|(d, s)| f32_to_bf16(d, s));
 }
 
 #[cfg(test)]
