@@ -673,8 +673,14 @@ mod conv_algo_choice {
             memfit::backend::ConvPass::Forward,
         )
         .unwrap();
-        let want = dnn::weight_regions_bytes(&g, memfit::backend::ConvPass::Forward)
-            + dnn::CUDNN_DEFAULT_WORKSPACE;
+        let ws = memfit::backend::cuda::conv_ws::ConvWs::new(
+            &g,
+            memfit::backend::ConvPass::Forward,
+            memfit::tensor::DType::F32,
+            memfit::tensor::DType::F32,
+            memfit::tensor::DType::F32,
+        );
+        let want = ws.bytes(dnn::CUDNN_DEFAULT_WORKSPACE);
         assert_eq!(len * 4, want.next_multiple_of(4));
         assert!(dnn::conv_choice_lines().is_empty());
     }

@@ -151,7 +151,12 @@ fn open(dir: &Path, name: &str) -> TensorFile {
 }
 
 /// fp32, f16, bf16 and segments:4 on the GPU against the CPU; segments:4
-/// bit-exact against the GPU's own keep-all run.
+/// bit-exact against the GPU's own keep-all run. bf16 runs twice on the
+/// GPU: as planned (whole-batch bf16 convolutions, f32 gradients staged
+/// 32 MiB at a time) and with a 150 000-byte staging bound
+/// (`MEMFIT_CUDA_STAGE_BYTES`), so every backward convolution runs in
+/// tiles of a few images, some batches not dividing, and its prediction
+/// must still equal the tracked peak.
 #[test]
 fn digits_training_on_the_gpu_matches_the_cpu() {
     let Some(info) = gpu() else { return };
@@ -172,6 +177,11 @@ fn digits_training_on_the_gpu_matches_the_cpu() {
         let (_, g) = train(&dir.0, &format!("{name}-cuda"), "cuda", &gpu_flags, &[]);
         let (_, c) = train(&dir.0, &format!("{name}-cpu"), "cpu", flags, &f32_path);
         assert_steps_close(name, &g, &c, loss_tol);
+        if name == "bf16" {
+            let tiles = [("MEMFIT_CUDA_STAGE_BYTES", Path::new("150000"))];
+            let (_, t) = train(&dir.0, "bf16-tiles-cuda", "cuda", &gpu_flags, &tiles);
+            assert_steps_close("bf16 in tiles", &t, &c, loss_tol);
+        }
         let (d, at) = worst_deviation(
             &open(&dir.0, &format!("{name}-cuda")),
             &open(&dir.0, &format!("{name}-cpu")),
@@ -179,6 +189,20 @@ fn digits_training_on_the_gpu_matches_the_cpu() {
         println!("{name}: worst normwise weight deviation {d:.3e} ({at})");
         if let Some(tol) = weight_tol {
             assert!(d <= tol, "{name}: {at} deviates {d:e} > {tol:e}");
+        } else {
+            // bf16 on the GPU rounds where the CPU does not (cuDNN's bf16
+            // dgrad before it is added, its bf16 weight gradient), so no
+            // fixed bound: the GPU must stay within bf16's own distance
+            // from fp32 on the CPU.
+            let (noise, nat) = worst_deviation(
+                &open(&dir.0, &format!("{name}-cpu")),
+                &open(&dir.0, "fp32-cpu"),
+            );
+            println!("{name}: the CPU's {name} against its fp32: {noise:.3e} ({nat})");
+            assert!(
+                d <= noise,
+                "{name}: {at} deviates {d:e}, more than {name} from fp32"
+            );
         }
     }
     // A recompute plan moves no bit on the GPU either.

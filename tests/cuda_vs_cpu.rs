@@ -18,8 +18,8 @@
 //! summation orders, CUDA's exp/log); normwise 1e-5 for cuDNN and cuBLAS in
 //! strict fp32 and 1e-2 for TF32 convolutions; for a whole step of tiny
 //! ResNets the loss within 1e-4 (fp32) / 2e-2 (bf16) / 5e-3 (f16)
-//! relative and gradients and BN running statistics within 1e-3 / 5e-2 /
-//! 1e-2 normwise; and bits between a recomputing plan and keep-all on the
+//! relative and gradients and BN running statistics within 1e-3 / 1e-1 /
+//! 1e-2 normwise (the median gradient within a tenth of that); and bits between a recomputing plan and keep-all on the
 //! GPU (deterministic algorithms, one stream).
 
 #![cfg(any(feature = "cuda", feature = "cuda-12"))]
@@ -434,18 +434,71 @@ fn convolutions_match_the_cpu() {
     }
 }
 
+/// `v` on `pool` stored in bf16 (the values rounded to nearest even).
+fn bf16_tensor(pool: &Pool, dims: &[usize], v: &[f32]) -> Tensor {
+    let f = t(pool, dims, v);
+    let mut b = pool
+        .empty(dims, DType::BF16, Category::Workspace, Tag::fixed("bf16"))
+        .unwrap();
+    backend::narrow(&mut b, &f).unwrap();
+    b
+}
+
+/// `x` on the host as f32, widened first when it is stored in bf16.
+fn host_any(pool: &Pool, x: &Tensor) -> Vec<f32> {
+    if x.dtype() == DType::F32 {
+        return host(x);
+    }
+    let mut f = empty(pool, x.dims());
+    backend::widen(&mut f, x).unwrap();
+    host(&f)
+}
+
+/// The workspace a convolution of `g` asks for with its input stored as
+/// `input` and its forward output as `output`, in precision `p`.
+fn workspace_for(
+    pool: &Pool,
+    g: &ConvGeom,
+    pass: ConvPass,
+    (input, output): (DType, DType),
+    p: Precision,
+) -> Tensor {
+    let (dt, len) =
+        backend::conv2d_workspace_for(pool.device(), g, pass, input, output, p).unwrap();
+    pool.empty(&[len.max(1)], dt, Category::Workspace, Tag::fixed("ws"))
+        .unwrap()
+}
+
 /// bf16 and f16 convolutions on operands rounded to the type (as the
-/// layers pass them on a device without native bf16) against the CPU's:
-/// f32 products and accumulation on both, so within 1e-5 normwise before
-/// rounding; a bf16 output (y, and dx with what it accumulated) comes back
-/// rounded to bf16, where a sum landing on the other side of a rounding
-/// boundary differs by one bf16 ulp (2^-8 relative): 1e-2 normwise. f16
-/// outputs are left for the layer to round: 1e-5.
+/// layers pass them) against the CPU's. f16: an f32 convolution on both
+/// devices, within 1e-5 normwise. bf16 runs cuDNN in bf16 on a GPU with
+/// bf16 tensor cores (f32 accumulation), with the activations stored as
+/// the layers store them (input and output in bf16, read and written in
+/// place) and, for the stem's case, in f32 (staged through the
+/// workspace); the output (y, and dx with what it accumulated) comes back
+/// rounded to bf16 on both devices, where a sum landing on the other side
+/// of a rounding boundary differs by one bf16 ulp (2^-8 relative), and the
+/// GPU rounds its dgrad before adding it into the accumulated dx (cuDNN's
+/// bf16 output) where the CPU rounds once after: 1e-2 normwise. cuDNN's
+/// bf16 weight gradient is rounded to bf16 before the f32 `dw` adds it
+/// (PyTorch's autocast keeps the same bf16 gradient): 1e-2 normwise under
+/// bf16, 1e-5 under f16.
 #[test]
 fn low_precision_convolutions_match_the_cpu_on_rounded_operands() {
     let Some(pool) = gpu() else { return };
     let cpu = Pool::new();
-    for p in [Precision::BF16, Precision::F16] {
+    let bf16_cudnn = Device::Cuda(0).capabilities().reads_bf16;
+    let cases = [
+        (Precision::BF16, DType::BF16),
+        (Precision::BF16, DType::F32),
+        (Precision::F16, DType::F32),
+    ];
+    for (p, stored) in cases {
+        if stored == DType::BF16 && !bf16_cudnn {
+            println!("note: this GPU has no bf16 convolutions; bf16 storage not tested");
+            continue;
+        }
+        let what = format!("{p} {stored:?}");
         let rounded = |v: Vec<f32>| -> Vec<f32> {
             let mut x = t(&cpu, &[v.len()], &v);
             backend::round(&mut x, p).unwrap();
@@ -467,16 +520,31 @@ fn low_precision_convolutions_match_the_cpu_on_rounded_operands() {
         let wv = rounded(values(3 * 3 * 8 * 16, 92));
         let dyv = rounded(values(2 * 9 * 9 * 16, 93));
         let dx0 = rounded(values(2 * 9 * 9 * 8, 94));
-        let tol = if p == Precision::BF16 { 1e-2 } else { 1e-5 };
-        let (gx, cx) = (t(&pool, &xd, &xv), t(&cpu, &xd, &xv));
+        let (tol, wgrad_tol) = if p == Precision::BF16 {
+            (1e-2, 1e-2)
+        } else {
+            (1e-5, 1e-5)
+        };
+        let activation = |pool: &Pool, dims: &[usize], v: &[f32]| match stored {
+            DType::BF16 => bf16_tensor(pool, dims, v),
+            _ => t(pool, dims, v),
+        };
+        let out = |pool: &Pool| match stored {
+            DType::BF16 => pool
+                .empty(&yd, DType::BF16, Category::Workspace, Tag::fixed("y"))
+                .unwrap(),
+            _ => empty(pool, &yd),
+        };
+        let (gx, cx) = (activation(&pool, &xd, &xv), activation(&cpu, &xd, &xv));
         let (gw, cw) = (t(&pool, &wd, &wv), t(&cpu, &wd, &wv));
-        let (mut gy, mut cy) = (empty(&pool, &yd), empty(&cpu, &yd));
-        let mut gws = workspace(&pool, &g, ConvPass::Forward);
-        let mut cws = workspace(&cpu, &g, ConvPass::Forward);
+        let (mut gy, mut cy) = (out(&pool), out(&cpu));
+        let types = (stored, stored);
+        let mut gws = workspace_for(&pool, &g, ConvPass::Forward, types, p);
+        let mut cws = workspace_for(&cpu, &g, ConvPass::Forward, types, p);
         backend::conv2d_forward(&mut gy, &gx, &gw, &g, &mut gws, p).unwrap();
         backend::conv2d_forward(&mut cy, &cx, &cw, &g, &mut cws, p).unwrap();
-        let gyh = host(&gy);
-        assert_close_normwise(&format!("{p} conv fwd"), &gyh, cy.f32(), tol);
+        let (gyh, cyh) = (host_any(&pool, &gy), host_any(&cpu, &cy));
+        assert_close_normwise(&format!("{what} conv fwd"), &gyh, &cyh, tol);
         if p == Precision::BF16 {
             assert_bits("bf16 conv y is rounded", &gyh, &rounded(gyh.clone()));
         }
@@ -485,19 +553,21 @@ fn low_precision_convolutions_match_the_cpu_on_rounded_operands() {
         let (mut gdw, mut cdw) = (empty(&pool, &wd), empty(&cpu, &wd));
         gdw.fill_zero();
         cdw.fill_zero();
-        let mut gws = workspace(&pool, &g, ConvPass::Backward);
-        let mut cws = workspace(&cpu, &g, ConvPass::Backward);
+        let types = (stored, DType::F32);
+        let mut gws = workspace_for(&pool, &g, ConvPass::Backward, types, p);
+        let mut cws = workspace_for(&cpu, &g, ConvPass::Backward, types, p);
         backend::conv2d_backward(Some(&mut gdx), &mut gdw, &gdy, &gx, &gw, &g, &mut gws, p)
             .unwrap();
         backend::conv2d_backward(Some(&mut cdx), &mut cdw, &cdy, &cx, &cw, &g, &mut cws, p)
             .unwrap();
         let gdxh = host(&gdx);
-        assert_close_normwise(&format!("{p} conv dgrad"), &gdxh, cdx.f32(), tol);
+        assert_close_normwise(&format!("{what} conv dgrad"), &gdxh, cdx.f32(), tol);
         if p == Precision::BF16 {
             assert_bits("bf16 conv dx is rounded", &gdxh, &rounded(gdxh.clone()));
         }
-        // The weight gradient stays f32 (master gradients).
-        assert_close_normwise(&format!("{p} conv wgrad"), &host(&gdw), cdw.f32(), 1e-5);
+        // The weight gradient is f32 (master gradients).
+        let what = format!("{what} conv wgrad");
+        assert_close_normwise(&what, &host(&gdw), cdw.f32(), wgrad_tol);
     }
 }
 
@@ -628,6 +698,142 @@ fn bn_backward_matches_the_cpu_bit_for_bit() {
             assert_bits(&format!("bn dgamma {what}"), &host(&gdg), cdg.f32());
             assert_bits(&format!("bn dbeta {what}"), &host(&gdb), cdb.f32());
         }
+    }
+}
+
+/// `v` on `pool` as f32, or stored in bf16 when `bf16`.
+fn stored(pool: &Pool, dims: &[usize], v: &[f32], bf16: bool) -> Tensor {
+    if bf16 {
+        bf16_tensor(pool, dims, v)
+    } else {
+        t(pool, dims, v)
+    }
+}
+
+/// What a device that reads bf16 (`Capabilities::reads_bf16`) runs on
+/// bf16-stored activations and gradients: BN statistics of a bf16 input,
+/// BN backward of every mix of f32 and bf16 dy, x and ReLU output, the
+/// residual add (bf16 addend, and the sum itself stored in bf16, with its
+/// mask), the ReLU-mask backward of a bf16 gradient and the max-pool
+/// backward of bf16 dy and x: the CPU's bits, as their f32 kernels are.
+#[test]
+fn bf16_storage_ops_match_the_cpu_bit_for_bit() {
+    let Some(pool) = gpu() else { return };
+    let cpu = Pool::new();
+    let (rows, c) = (1100, 70);
+    let dims = [rows, c];
+    let xv: Vec<f32> = values(rows * c, 51).iter().map(|v| v * 3.0 + 1.0).collect();
+    let (gx, cx) = (
+        bf16_tensor(&pool, &dims, &xv),
+        bf16_tensor(&cpu, &dims, &xv),
+    );
+    let mut g: Vec<Tensor> = (0..3).map(|_| empty(&pool, &[c])).collect();
+    let mut k: Vec<Tensor> = (0..3).map(|_| empty(&cpu, &[c])).collect();
+    let ([gm, gv, gr], [cm, cv, cr]) = (g.as_mut_slice(), k.as_mut_slice()) else {
+        unreachable!()
+    };
+    backend::bn_batch_stats(gm, gv, gr, &gx, 1e-5).unwrap();
+    backend::bn_batch_stats(cm, cv, cr, &cx, 1e-5).unwrap();
+    assert_bits("bn mean of bf16 x", &host(gm), cm.f32());
+    assert_bits("bn var of bf16 x", &host(gv), cv.f32());
+    assert_bits("bn rstd of bf16 x", &host(gr), cr.f32());
+
+    let (dyv, outv) = (values(rows * c, 52), values(rows * c, 53));
+    let (mv, gav) = (values(c, 54), values(c, 56));
+    let rv: Vec<f32> = values(c, 55).iter().map(|v| v.abs() + 0.5).collect();
+    for mix in 0..8u32 {
+        let (dy_bf16, x_bf16, o_bf16) = (mix & 1 != 0, mix & 2 != 0, mix & 4 != 0);
+        let run = |p: &Pool| {
+            let dy = stored(p, &dims, &dyv, dy_bf16);
+            let x = stored(p, &dims, &xv, x_bf16);
+            let out = stored(p, &dims, &outv, o_bf16);
+            let (mean, rstd, gamma) = (t(p, &[c], &mv), t(p, &[c], &rv), t(p, &[c], &gav));
+            let mut dx = empty(p, &dims);
+            let (mut dg, mut db) = (t(p, &[c], &mv), t(p, &[c], &rv));
+            backend::bn_backward(
+                &mut dx,
+                Some(&mut dg),
+                Some(&mut db),
+                &dy,
+                &x,
+                &mean,
+                &rstd,
+                &gamma,
+                Some(&out),
+                true,
+                Precision::BF16,
+            )
+            .unwrap();
+            [host(&dx), host(&dg), host(&db)]
+        };
+        let (gpu_out, cpu_out) = (run(&pool), run(&cpu));
+        for (what, (a, b)) in ["dx", "dgamma", "dbeta"]
+            .iter()
+            .zip(gpu_out.iter().zip(&cpu_out))
+        {
+            assert_bits(
+                &format!("bn backward {what}, bf16 dy {dy_bf16} x {x_bf16} out {o_bf16}"),
+                a,
+                b,
+            );
+        }
+    }
+
+    let n = 4099;
+    let (a, b) = (values(n, 57), values(n, 58));
+    let mask = |p: &Pool| {
+        p.zeros(&[n], DType::Bits, Category::Workspace, Tag::fixed("m"))
+            .unwrap()
+    };
+    // add_assign of a bf16 addend
+    let (mut ga, mut ca) = (t(&pool, &[n], &a), t(&cpu, &[n], &a));
+    backend::add_assign(&mut ga, &bf16_tensor(&pool, &[n], &b), Precision::BF16).unwrap();
+    backend::add_assign(&mut ca, &bf16_tensor(&cpu, &[n], &b), Precision::BF16).unwrap();
+    assert_bits("add_assign of bf16", &host(&ga), ca.f32());
+    for r_bf16 in [false, true] {
+        // z = relu(z + residual) stored in bf16, then its mask backward on a
+        // bf16 gradient.
+        let run = |p: &Pool| {
+            let mut z = bf16_tensor(p, &[n], &a);
+            let r = stored(p, &[n], &b, r_bf16);
+            let mut m = mask(p);
+            backend::add_relu_forward(&mut z, &r, &mut m, Precision::BF16).unwrap();
+            let mut d = bf16_tensor(p, &[n], &b);
+            backend::relu_mask_backward_inplace(&mut d, &m).unwrap();
+            (host_any(p, &z), host_any(p, &d))
+        };
+        let ((gz, gd), (cz, cd)) = (run(&pool), run(&cpu));
+        assert_bits(
+            &format!("bf16 add_relu_forward, bf16 residual {r_bf16}"),
+            &gz,
+            &cz,
+        );
+        assert_bits("relu_mask_backward_inplace of bf16", &gd, &cd);
+    }
+
+    let (n, h, w, c) = (2, 9, 7, 6);
+    let g = memfit::ops::maxpool::PoolGeom {
+        n,
+        h,
+        w,
+        c,
+        k: 3,
+        stride: 2,
+        pad: 1,
+    };
+    let xv = values(n * h * w * c, 59);
+    let dyv = values(n * g.oh() * g.ow() * c, 60);
+    for mix in 0..4u32 {
+        let (dy_bf16, x_bf16) = (mix & 1 != 0, mix & 2 != 0);
+        let run = |p: &Pool| {
+            let x = stored(p, &[n, h, w, c], &xv, x_bf16);
+            let dy = stored(p, &[n, g.oh(), g.ow(), c], &dyv, dy_bf16);
+            let mut dx = empty(p, &[n, h, w, c]);
+            backend::maxpool_backward(&mut dx, &dy, &x, &g, Precision::BF16).unwrap();
+            host(&dx)
+        };
+        let what = format!("maxpool_backward, bf16 dy {dy_bf16} x {x_bf16}");
+        assert_bits(&what, &run(&pool), &run(&cpu));
     }
 }
 
@@ -897,7 +1103,13 @@ fn whole_step_matches_the_cpu() {
         let (block, p) = (config.block, config.precision);
         let (loss_tol, grad_tol, hits) = match p {
             Precision::F32 => (1e-4, 1e-3, 0),
-            Precision::BF16 => (2e-2, 5e-2, 1),
+            // bf16: the GPU's cuDNN rounds each dgrad to bf16 before it is
+            // added into a gradient that already holds the shortcut's (the
+            // CPU rounds the sum once), a one-ulp difference the backward
+            // carries to the stem, where a BN bias gradient is a sum that
+            // cancels to a twentieth of the largest: each gradient within
+            // 1e-1 normwise, and their median within 1e-2 (below).
+            Precision::BF16 => (2e-2, 1e-1, 1),
             Precision::F16 => (5e-3, 1e-2, 1),
         };
         config.target = Target::Cuda(0);
@@ -918,10 +1130,23 @@ fn whole_step_matches_the_cpu() {
         );
         let gg = grads(&mut gpu_model);
         assert_eq!(gg.len(), cg.len());
+        let mut worst = Vec::new();
         for ((name, g), (cname, c)) in gg.iter().zip(&cg) {
             assert_eq!(name, cname);
             assert_close_normwise(&format!("{block:?} {p} grad {name}"), g, c, grad_tol);
+            let scale = c.iter().fold(1e-30f32, |m, v| m.max(v.abs()));
+            let d = g
+                .iter()
+                .zip(c)
+                .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+            worst.push(d / scale);
         }
+        worst.sort_by(f32::total_cmp);
+        let median = worst[worst.len() / 2];
+        assert!(
+            median <= grad_tol / 10.0,
+            "{block:?} {p}: median normwise gradient error {median}"
+        );
         let (gstats, gcounts) = buffers(&mut gpu_model);
         assert_eq!(gcounts, ccounts, "{block:?} {p} num_batches_tracked");
         for ((name, g), (_, c)) in gstats.iter().zip(&cstats) {

@@ -91,7 +91,7 @@ pub fn conv2d_workspace_for(
             })
         }
         #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-        crate::device::Target::Cuda(n) => cuda::ops::conv2d_workspace(n, g, pass),
+        crate::device::Target::Cuda(n) => cuda::ops::conv2d_workspace(n, g, pass, input, output, p),
     }
 }
 

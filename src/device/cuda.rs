@@ -329,8 +329,9 @@ impl DeviceFacts {
 }
 
 /// Whether a GPU of compute capability `cc` has native bf16 arithmetic
-/// (Ampere, 8.0, and newer). The backend does not use it yet (see
-/// `Capabilities::cuda`).
+/// (Ampere, 8.0, and newer): cuDNN's bf16 convolutions on tensor cores,
+/// which the backend runs under bf16 there (`Capabilities::cuda`'s
+/// `reads_bf16`).
 pub fn hardware_bf16(cc: (u32, u32)) -> bool {
     cc >= (8, 0)
 }

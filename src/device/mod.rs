@@ -102,7 +102,8 @@ pub struct Capabilities {
     /// Convolutions read bf16-stored activations in place and BN+ReLU
     /// writes its bf16 output directly, so no whole f32 copy of a bf16
     /// tensor is made (the CPU, with or without bf16 dot products: its f32
-    /// GEMM widens one tile of rows at a time).
+    /// GEMM widens one tile of rows at a time; a GPU with bf16 tensor
+    /// cores, through cuDNN's bf16 convolutions).
     pub reads_bf16: bool,
     /// Layout of convolution weights in storage.
     pub conv_weight_layout: ConvWeightLayout,
@@ -126,13 +127,15 @@ impl Capabilities {
     /// here: a plan made on a machine without one), the documented default
     /// device [`cuda::DEFAULT_COMPUTE_CAPABILITY`] stands in.
     ///
-    /// * `native_bf16` is false on every GPU for now: the CUDA backend runs
-    ///   bf16 convolutions and GEMMs in fp32 on operands pre-rounded to bf16
-    ///   (the same values as a native bf16 product, no speed-up), so the
-    ///   layers must hand it f32 inputs and rounded weights, as on a CPU
-    ///   without AVX512-BF16. Reading bf16 in place needs cuDNN's bf16
-    ///   descriptors (compute capability >= 8.0): see
-    ///   [`cuda::hardware_bf16`].
+    /// * `reads_bf16` where the card has bf16 tensor cores
+    ///   ([`cuda::hardware_bf16`], compute capability 8.0 and up): under
+    ///   bf16 the convolutions run cuDNN in bf16 with f32 accumulation on
+    ///   bf16-stored activations, BN, the residual add, ReLU masks and the
+    ///   max-pool backward read and write bf16, as on the CPU.
+    /// * `native_bf16` is false: the layers still hand the convolution a
+    ///   weight rounded to bf16 (the backend's OHWI copy is then an exact
+    ///   bf16 conversion) and the linear layer's GEMM is f32 of rounded
+    ///   operands.
     /// * `conv_weight_layout` is `Hwio`, the layout the layers store: the
     ///   backend transposes the weight into cuDNN's NHWC filter layout
     ///   (cout, kh, kw, cin) inside the convolution's workspace.
@@ -140,10 +143,10 @@ impl Capabilities {
     ///   and uses no atomics in its reductions.
     #[cfg(any(feature = "cuda", feature = "cuda-12"))]
     pub fn cuda(ordinal: u32) -> Self {
-        let _facts = cuda::device_facts(ordinal);
+        let facts = cuda::device_facts(ordinal);
         Capabilities {
             native_bf16: false,
-            reads_bf16: false,
+            reads_bf16: cuda::hardware_bf16(facts.compute_capability),
             conv_weight_layout: ConvWeightLayout::Hwio,
             deterministic: true,
         }

@@ -34,14 +34,16 @@ pub struct ConvKey {
     pub geom: ConvGeom,
     pub dtype: DType,
     pub layout: Layout,
-    /// TF32 tensor-core math allowed (`CUDNN_TENSOR_OP_MATH`), else strict
-    /// fp32 (`CUDNN_FMA_MATH`): the math type changes which algorithms
-    /// cuDNN accepts and what they ask for.
+    /// For f32: TF32 tensor-core math allowed (`CUDNN_TENSOR_OP_MATH`),
+    /// else strict fp32 (`CUDNN_FMA_MATH`): the math type changes which
+    /// algorithms cuDNN accepts and what they ask for. bf16 always runs
+    /// `CUDNN_TENSOR_OP_MATH` (this is false).
     pub tf32: bool,
 }
 
 impl ConvKey {
-    /// The key of an f32 NHWC convolution (all the backend runs today).
+    /// The key of an f32 NHWC convolution (a bf16 one is this with
+    /// `dtype: DType::BF16`).
     pub fn f32_nhwc(geom: &ConvGeom, tf32: bool) -> Self {
         ConvKey {
             geom: *geom,
@@ -75,7 +77,11 @@ impl fmt::Display for ConvKey {
             match self.layout {
                 Layout::Nhwc => "nhwc",
             },
-            if self.tf32 { "tf32" } else { "fma" }
+            match (self.dtype, self.tf32) {
+                (DType::F32, true) => "tf32",
+                (DType::F32, false) => "fma",
+                _ => "tensor-op",
+            }
         )
     }
 }

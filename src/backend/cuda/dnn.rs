@@ -39,6 +39,7 @@ use crate::backend::ConvPass;
 use crate::device::cuda::Library;
 use crate::error::{Error, Result};
 use crate::ops::conv2d::ConvGeom;
+use crate::tensor::DType;
 
 /// The pinned, deterministic algorithms, tried first for every geometry
 /// (never cuDNN's heuristic first pick: the same algorithm on every GPU,
@@ -173,8 +174,11 @@ fn build_descs(key: &ConvKey) -> Result<Descs> {
     let nhwc = match key.layout {
         conv_algo::Layout::Nhwc => cudnnTensorFormat_t::CUDNN_TENSOR_NHWC,
     };
+    // bf16 data with a float compute type is cuDNN's PSEUDO_BFLOAT16
+    // configuration: bf16 in and out, f32 accumulation, tensor cores.
     let dt = match key.dtype {
         crate::tensor::DType::F32 => cudnnDataType_t::CUDNN_DATA_FLOAT,
+        crate::tensor::DType::BF16 => cudnnDataType_t::CUDNN_DATA_BFLOAT16,
         other => {
             return Err(Error::invalid(
                 "cudnn",
@@ -193,7 +197,7 @@ fn build_descs(key: &ConvKey) -> Result<Descs> {
     d.y = dnn::create_tensor_descriptor().map_err(&e)?;
     d.w = dnn::create_filter_descriptor().map_err(&e)?;
     d.conv = dnn::create_convolution_descriptor().map_err(&e)?;
-    let math = if key.tf32 {
+    let math = if key.tf32 || key.dtype != crate::tensor::DType::F32 {
         cudnnMathType_t::CUDNN_TENSOR_OP_MATH
     } else {
         cudnnMathType_t::CUDNN_FMA_MATH
@@ -226,7 +230,7 @@ fn build_descs(key: &ConvKey) -> Result<Descs> {
             1,
             1,
             cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION,
-            dt,
+            cudnnDataType_t::CUDNN_DATA_FLOAT,
         )
         .map_err(&e)?;
         dnn::set_convolution_math_type(d.conv, math)
@@ -467,22 +471,39 @@ fn record<R>(k: (u32, ConvKey), f: impl FnOnce(&mut Chosen) -> R) -> R {
     }))
 }
 
-/// The key of `g` as the backend runs it now (f32 NHWC, the TF32 setting).
-pub fn key(g: &ConvGeom) -> ConvKey {
-    ConvKey::f32_nhwc(g, allow_tf32())
+/// The key of `g` run in `dtype` (f32: the TF32 setting; bf16: tensor
+/// cores), NHWC.
+pub fn key(g: &ConvGeom, dtype: DType) -> ConvKey {
+    match dtype {
+        DType::F32 => ConvKey::f32_nhwc(g, allow_tf32()),
+        other => ConvKey {
+            dtype: other,
+            ..ConvKey::f32_nhwc(g, false)
+        },
+    }
 }
 
-/// cuDNN's own workspace (bytes) for `pass` of `g` with the chosen
-/// algorithms: the forward's, or the larger of backward-data's and
-/// backward-filter's (they run one after the other on the same region).
-pub fn cudnn_workspace_bytes(st: &State, g: &ConvGeom, pass: ConvPass) -> Result<usize> {
-    let k = key(g);
-    Ok(match pass {
-        ConvPass::Forward => forward_choice(st, &k)?.workspace_bytes,
-        ConvPass::Backward => backward_data_choice(st, &k)?
-            .workspace_bytes
-            .max(backward_filter_choice(st, &k)?.workspace_bytes),
-    })
+/// cuDNN's own workspace (bytes) for `pass` of each geometry of `geoms`
+/// in `dtype` with the chosen algorithms, the largest: per geometry the
+/// forward's, or the larger of backward-data's and backward-filter's (they
+/// run one after the other on the same region).
+pub fn cudnn_workspace_bytes(
+    st: &State,
+    geoms: &[ConvGeom],
+    pass: ConvPass,
+    dtype: DType,
+) -> Result<usize> {
+    let mut most = 0;
+    for g in geoms {
+        let k = key(g, dtype);
+        most = most.max(match pass {
+            ConvPass::Forward => forward_choice(st, &k)?.workspace_bytes,
+            ConvPass::Backward => backward_data_choice(st, &k)?
+                .workspace_bytes
+                .max(backward_filter_choice(st, &k)?.workspace_bytes),
+        });
+    }
+    Ok(most)
 }
 
 /// One line per geometry chosen so far in this process, in order of first
@@ -535,8 +556,8 @@ pub fn conv_choice_lines() -> Vec<String> {
 // The convolution calls, on pool addresses
 
 /// Where a call's operands and workspace are: device addresses of pool
-/// storage on `st`'s device, shaped as `g` describes (f32, NHWC; the
-/// filter in (cout, kh, kw, cin)).
+/// storage on `st`'s device, shaped as `g` describes (NHWC, in the call's
+/// type; the filter in (cout, kh, kw, cin)).
 pub struct ConvArgs {
     pub x: u64,
     pub w: u64,
@@ -549,9 +570,10 @@ fn vp(a: u64) -> *mut c_void {
     a as *mut c_void
 }
 
-/// `y = conv(x, w)` (alpha 1, beta 0) with the chosen forward algorithm.
-pub fn conv_forward(st: &State, g: &ConvGeom, a: &ConvArgs) -> Result<()> {
-    let k = key(g);
+/// `y = conv(x, w)` (alpha 1, beta 0) in `dtype` with the chosen forward
+/// algorithm.
+pub fn conv_forward(st: &State, g: &ConvGeom, dtype: DType, a: &ConvArgs) -> Result<()> {
+    let k = key(g, dtype);
     let c = forward_choice(st, &k)?;
     let (h, d) = (handle(st)?, descs(st, &k)?);
     let (alpha, beta) = (1.0f32, 0.0f32);
@@ -579,14 +601,20 @@ pub fn conv_forward(st: &State, g: &ConvGeom, a: &ConvArgs) -> Result<()> {
     .map_err(cudnn_err("cudnnConvolutionForward"))
 }
 
-/// `dx += conv_transpose(dy, w)` (alpha 1, beta 1: accumulating, as the
-/// CPU's dgrad) with the chosen backward-data algorithm; `a.x` is `dx`
-/// and `a.y` is `dy`.
-pub fn conv_backward_data(st: &State, g: &ConvGeom, a: &ConvArgs) -> Result<()> {
-    let k = key(g);
+/// `dx = conv_transpose(dy, w) + beta·dx` (alpha 1; beta 1 accumulates,
+/// as the CPU's dgrad) in `dtype` with the chosen backward-data algorithm;
+/// `a.x` is `dx` and `a.y` is `dy`.
+pub fn conv_backward_data(
+    st: &State,
+    g: &ConvGeom,
+    dtype: DType,
+    beta: f32,
+    a: &ConvArgs,
+) -> Result<()> {
+    let k = key(g, dtype);
     let c = backward_data_choice(st, &k)?;
     let (h, d) = (handle(st)?, descs(st, &k)?);
-    let (alpha, beta) = (1.0f32, 1.0f32);
+    let alpha = 1.0f32;
     // SAFETY: as in conv_forward.
     unsafe {
         dnn::convolution_backward_data(
@@ -609,10 +637,10 @@ pub fn conv_backward_data(st: &State, g: &ConvGeom, a: &ConvArgs) -> Result<()> 
 }
 
 /// `w = dgrad_w(x, dy)` (alpha 1, beta 0: overwritten; the caller adds it
-/// into the HWIO gradient) with the chosen backward-filter algorithm;
-/// `a.w` is the OHWI gradient region and `a.y` is `dy`.
-pub fn conv_backward_filter(st: &State, g: &ConvGeom, a: &ConvArgs) -> Result<()> {
-    let k = key(g);
+/// into the HWIO gradient) in `dtype` with the chosen backward-filter
+/// algorithm; `a.w` is the OHWI gradient region and `a.y` is `dy`.
+pub fn conv_backward_filter(st: &State, g: &ConvGeom, dtype: DType, a: &ConvArgs) -> Result<()> {
+    let k = key(g, dtype);
     let c = backward_filter_choice(st, &k)?;
     let (h, d) = (handle(st)?, descs(st, &k)?);
     let (alpha, beta) = (1.0f32, 0.0f32);
@@ -637,28 +665,9 @@ pub fn conv_backward_filter(st: &State, g: &ConvGeom, a: &ConvArgs) -> Result<()
     .map_err(cudnn_err("cudnnConvolutionBackwardFilter"))
 }
 
-/// Bytes of the transposed-weight regions at the front of a convolution's
-/// workspace: [`WS_ALIGN`] of slack to align the regions (a pool block is
-/// only 64-byte aligned; see [`regions_base`]), then the weight in OHWI
-/// (both passes) and, for the backward, the OHWI weight gradient cuDNN
-/// writes before it is added into `dw`, each a multiple of [`WS_ALIGN`].
-pub fn weight_regions_bytes(g: &ConvGeom, pass: ConvPass) -> usize {
-    let one = weight_region_bytes(g);
-    WS_ALIGN
-        + match pass {
-            ConvPass::Forward => one,
-            ConvPass::Backward => 2 * one,
-        }
-}
-
-/// One OHWI weight region, rounded up to [`WS_ALIGN`].
-pub fn weight_region_bytes(g: &ConvGeom) -> usize {
-    (g.kh * g.kw * g.cin * g.cout * 4).next_multiple_of(WS_ALIGN)
-}
-
 /// Where the regions of a workspace at device address `addr` start: the
 /// address rounded up to [`WS_ALIGN`] (within the slack
-/// [`weight_regions_bytes`] counts).
+/// [`super::conv_ws::ConvWs::bytes`] counts).
 pub fn regions_base(addr: u64) -> u64 {
     addr.next_multiple_of(WS_ALIGN as u64)
 }

@@ -18,6 +18,8 @@
 
 /// The choice of cuDNN algorithm per convolution geometry, without cuDNN.
 pub mod conv_algo;
+/// The regions of a convolution's workspace and its tiles of images.
+pub mod conv_ws;
 pub mod dnn;
 /// NCCL: the gradient all-reduce of data-parallel training on GPUs.
 #[cfg(feature = "nccl")]

@@ -20,12 +20,16 @@
 //!   read for loss and count), sum of squares (block partials; one 8-byte
 //!   read), unscale and all_finite (a zeroed 4-byte flag; one read each).
 //! * cuDNN (`dnn`): convolution forward / backward-data (beta = 1 into
-//!   `dx`) / backward-filter, NHWC f32, strict fp32 unless
-//!   `dnn::set_allow_tf32`, pinned deterministic algorithms; the HWIO weight
-//!   is transposed into the planned workspace (`conv.cu`). bf16/f16 run as
-//!   f32 convolutions of operands the layers rounded (`conv_check`), bf16
-//!   rounding its outputs as the CPU's does; no half-precision tensor-core
-//!   path yet.
+//!   `dx`) / backward-filter, NHWC, pinned deterministic algorithms; the
+//!   HWIO weight is transposed into the planned workspace (`conv.cu`). f32:
+//!   strict fp32 unless `dnn::set_allow_tf32`; f16, and bf16 on a card
+//!   without bf16 tensor cores, run as f32 convolutions of operands the
+//!   layers rounded. bf16 on compute capability 8.0 and up
+//!   (`Capabilities::reads_bf16`): cuDNN in bf16 with f32 accumulation on
+//!   tensor cores, bf16 activations read and written in place, f32 operands
+//!   (the image, a stage's f32 gradients) staged through the workspace one
+//!   tile of images at a time (`conv_ws`); BN, the residual add, the ReLU
+//!   masks and the max-pool backward read bf16 in place.
 //! * cuBLAS sgemm (`dnn`): linear forward and backward, bias by `linear.cu`.
 //! * Host copies, device copies, synchronise.
 //!
@@ -33,6 +37,7 @@
 
 use std::ffi::c_void;
 
+use super::conv_ws::ConvWs;
 use super::dnn;
 use super::state::{State, state};
 use crate::accounting::Tag;
@@ -53,16 +58,6 @@ fn round_arg(p: Precision) -> i32 {
         Precision::F32 => 0,
         Precision::BF16 => 1,
         Precision::F16 => 2,
-    }
-}
-
-fn not_yet(op: &'static str, what: &str) -> Error {
-    Error::Cuda {
-        op,
-        reason: format!(
-            "not implemented on CUDA yet ({what}); train on the CPU (--device cpu) until the CUDA \
-             backend has it"
-        ),
     }
 }
 
@@ -124,14 +119,14 @@ fn is_bf16(op: &'static str, t: &Tensor) -> Result<bool> {
     }
 }
 
-/// An error unless `t` is stored as f32: the copies count 4 bytes per
-/// element (the CPU's versions panic on another type).
+/// An error unless `t` is stored as f32, for the kernels and copies that
+/// take only f32 (the CPU's versions panic on another type).
 fn f32_only(op: &'static str, t: &Tensor) -> Result<()> {
     match t.dtype() {
         DType::F32 => Ok(()),
         other => Err(Error::invalid(
             op,
-            format!("{} is {other:?}; this copy is for f32", t.tag()),
+            format!("{} is {other:?}; this takes f32 only", t.tag()),
         )),
     }
 }
@@ -196,27 +191,35 @@ fn launch_shape(
 // Workspaces the meta device answers identically
 
 /// The workspace a convolution on CUDA device `ordinal` is given, as
-/// (f32, elements): [`dnn::weight_regions_bytes`] (the weight in cuDNN's
-/// NHWC filter layout, plus its gradient in that layout for the backward,
-/// each aligned to [`dnn::WS_ALIGN`]) followed by cuDNN's own workspace for
-/// the algorithms chosen for the geometry ([`dnn::cudnn_workspace_bytes`]:
-/// the forward's; the larger of backward-data's and backward-filter's),
-/// cuDNN's exact answer, cached with the choice, so the call is given what
-/// the plan counted. A query that fails on a GPU that is here is an error
-/// naming the geometry. Only with no GPU here at all (planning for a card
-/// this machine lacks, which `setup::plan_device` announces) is cuDNN's
-/// part the documented bound [`CUDNN_DEFAULT_WORKSPACE`]. The planner's
-/// meta device calls this too, so it counts what the call will use.
-pub fn conv2d_workspace(ordinal: u32, g: &ConvGeom, pass: ConvPass) -> Result<(DType, usize)> {
+/// (f32, elements): the regions of [`ConvWs`] (the weight in cuDNN's NHWC
+/// filter layout, its gradient for the backward, and under bf16 the
+/// staging of f32 operands one tile of images at a time) followed by
+/// cuDNN's own workspace for the algorithms chosen for the tile's
+/// geometries ([`dnn::cudnn_workspace_bytes`]), cuDNN's exact answer,
+/// cached with the choice, so the call is given what the plan counted. A
+/// query that fails on a GPU that is here is an error naming the geometry.
+/// Only with no GPU here at all (planning for a card this machine lacks,
+/// which `setup::plan_device` announces) is cuDNN's part the documented
+/// bound [`CUDNN_DEFAULT_WORKSPACE`]. The planner's meta device calls this
+/// too, so it counts what the call will use. `input` and `output` are how
+/// the input and the forward's output are stored.
+pub fn conv2d_workspace(
+    ordinal: u32,
+    g: &ConvGeom,
+    pass: ConvPass,
+    input: DType,
+    output: DType,
+    p: Precision,
+) -> Result<(DType, usize)> {
+    let ws = ConvWs::new(g, pass, conv_dtype(ordinal, p), input, output);
     let cudnn = match state(ordinal) {
-        Ok(st) => dnn::cudnn_workspace_bytes(&st, g, pass)?,
+        Ok(st) => dnn::cudnn_workspace_bytes(&st, &ws.geometries(g), pass, ws.dtype)?,
         Err(Error::CudaUnavailable { .. }) if crate::device::cuda::no_gpu_here() => {
             CUDNN_DEFAULT_WORKSPACE
         }
         Err(e) => return Err(e),
     };
-    let bytes = dnn::weight_regions_bytes(g, pass) + cudnn;
-    Ok((DType::F32, bytes.div_ceil(4)))
+    Ok((DType::F32, ws.bytes(cudnn).div_ceil(4)))
 }
 
 pub use dnn::CUDNN_DEFAULT_WORKSPACE;
@@ -224,67 +227,89 @@ pub use dnn::CUDNN_DEFAULT_WORKSPACE;
 // ---------------------------------------------------------------------------
 // Convolution (cuDNN) and linear (cuBLAS)
 
-/// The convolutions read f32 inputs. Under bf16/f16 the layers hand them
-/// operands already rounded to the low type (`Capabilities::native_bf16`
-/// is false on CUDA: a bf16-stored activation is widened first, the weight
-/// is a rounded copy), so an fp32 (or TF32: its 10-bit mantissa holds a
-/// bf16 or f16 value exactly) convolution with f32 accumulation is the
-/// low-precision convolution; a bf16 one then rounds its output, as the
-/// CPU's does (`backend::conv2d_forward`), and an f16 one leaves that to
-/// the layer.
-fn conv_check(op: &'static str, x: &Tensor, _p: Precision) -> Result<()> {
-    if x.dtype() != DType::F32 {
-        return Err(not_yet(
-            op,
-            "a convolution reading a bf16-stored input in place (the layers widen it first on \
-             devices without native bf16)",
-        ));
+/// The type cuDNN runs a convolution of precision `p` in on device
+/// `ordinal`: bf16 in and out with f32 accumulation (tensor cores) under
+/// bf16 where the card has bf16 convolutions (compute capability 8.0 and
+/// up: `Capabilities::reads_bf16`); else f32. An f32 convolution of
+/// operands the layers rounded to bf16 or f16 (fp32, or TF32, whose
+/// 10-bit mantissa holds a bf16 or f16 value exactly) is the
+/// low-precision convolution with f32 accumulation; a bf16 one then
+/// rounds its output, as the CPU's does, and an f16 one leaves that to the
+/// layer.
+fn conv_dtype(ordinal: u32, p: Precision) -> DType {
+    if p.bf16_in_place(Device::Cuda(ordinal).capabilities()) {
+        DType::BF16
+    } else {
+        DType::F32
     }
-    Ok(())
 }
 
-/// The cuDNN region of `ws` after the weight regions, checked against what
-/// cuDNN asks for (never allocated here: it was planned).
-fn cudnn_region(
-    op: &'static str,
-    ws: &Tensor,
-    g: &ConvGeom,
-    pass: ConvPass,
-    need: usize,
-) -> Result<(u64, usize)> {
-    let addr = ws.device_address();
-    let base = dnn::regions_base(addr);
-    // The slack used to align, then the weight regions.
-    let front = (base - addr) as usize + dnn::weight_regions_bytes(g, pass) - dnn::WS_ALIGN;
-    let have = ws.storage_bytes().saturating_sub(front);
-    if need > have {
-        return Err(Error::Cuda {
-            op,
-            reason: format!(
-                "cuDNN asks for {need} B of workspace, {have} B were planned ({}); the plan was \
-                 made without this GPU's answer",
-                ws.tag()
-            ),
-        });
-    }
-    Ok((addr + front as u64, have))
+/// One convolution call's workspace: the layout, the aligned base address
+/// of its regions and cuDNN's region, checked against what cuDNN asks for
+/// the tile's geometries (never allocated here: it was planned).
+struct Workspace {
+    base: u64,
+    cudnn: u64,
+    cudnn_bytes: usize,
 }
 
-/// `hwio_to_ohwi` (the weight `hwio` into the OHWI region at `region`)
-/// or, with `add_back`, `ohwi_add_to_hwio` (the OHWI gradient at `region`
-/// added into the HWIO gradient `hwio`).
+impl Workspace {
+    fn new(
+        op: &'static str,
+        st: &State,
+        ws: &Tensor,
+        g: &ConvGeom,
+        pass: ConvPass,
+        layout: ConvWs,
+    ) -> Result<Self> {
+        let need = dnn::cudnn_workspace_bytes(st, &layout.geometries(g), pass, layout.dtype)?;
+        let addr = ws.device_address();
+        let base = dnn::regions_base(addr);
+        let front = (base - addr) as usize + layout.cudnn;
+        let have = ws.storage_bytes().saturating_sub(front);
+        if need > have || ws.storage_bytes() < front {
+            return Err(Error::Cuda {
+                op,
+                reason: format!(
+                    "cuDNN asks for {need} B of workspace after {front} B of regions, {} B were \
+                     planned ({}); the plan was made without this GPU's answer",
+                    ws.storage_bytes(),
+                    ws.tag()
+                ),
+            });
+        }
+        Ok(Workspace {
+            base,
+            cudnn: base + layout.cudnn as u64,
+            cudnn_bytes: have,
+        })
+    }
+
+    /// The address of the region at offset `at`.
+    fn at(&self, at: usize) -> u64 {
+        self.base + at as u64
+    }
+}
+
+/// `hwio_to_ohwi` (the weight `hwio` into the OHWI region at `region`, in
+/// `dtype`) or, with `add_back`, `ohwi_add_to_hwio` (the OHWI gradient at
+/// `region`, in `dtype`, added into the f32 HWIO gradient `hwio`).
 fn transpose_weight(
     st: &State,
     region: u64,
     hwio: &Tensor,
     g: &ConvGeom,
+    dtype: DType,
     add_back: bool,
 ) -> Result<()> {
     let op = "conv weight layout";
-    let (name, mut args) = if add_back {
-        ("ohwi_add_to_hwio", vec![ptr(hwio), Arg::Ptr(region)])
-    } else {
-        ("hwio_to_ohwi", vec![Arg::Ptr(region), ptr(hwio)])
+    f32_only(op, hwio)?;
+    let bf16 = dtype == DType::BF16;
+    let (name, mut args) = match (add_back, bf16) {
+        (false, false) => ("hwio_to_ohwi", vec![Arg::Ptr(region), ptr(hwio)]),
+        (false, true) => ("hwio_to_ohwi_bf16", vec![Arg::Ptr(region), ptr(hwio)]),
+        (true, false) => ("ohwi_add_to_hwio", vec![ptr(hwio), Arg::Ptr(region)]),
+        (true, true) => ("ohwi_bf16_add_to_hwio", vec![ptr(hwio), Arg::Ptr(region)]),
     };
     args.extend([
         i32_arg(op, g.kh * g.kw)?,
@@ -294,8 +319,62 @@ fn transpose_weight(
     launch(st, "conv", name, hwio.numel(), &args)
 }
 
+/// `cast.cu`'s narrowing (f32 to bf16) or widening of `n` elements
+/// between device addresses.
+fn cast(st: &State, to_bf16: bool, dst: u64, src: u64, n: usize) -> Result<()> {
+    let name = if to_bf16 {
+        "cast_f32_to_bf16"
+    } else {
+        "cast_bf16_to_f32"
+    };
+    launch(st, "cast", name, n, &[Arg::Ptr(dst), Arg::Ptr(src), n64(n)])
+}
+
+/// Where a tile of `t` (images `first..`, `image` elements each) is for
+/// cuDNN: in place when `t` is stored in the convolution's type, else the
+/// staging region at `stage` (filled by narrowing first when `fill`).
+#[allow(clippy::too_many_arguments)]
+fn tile_operand(
+    op: &'static str,
+    st: &State,
+    t: &Tensor,
+    dtype: DType,
+    stage: Option<u64>,
+    first: usize,
+    images: usize,
+    image: usize,
+    fill: bool,
+) -> Result<u64> {
+    let offset = (first * image * t.dtype().unit_bytes()) as u64;
+    if t.dtype() == dtype {
+        return Ok(t.device_address() + offset);
+    }
+    if t.dtype() != DType::F32 || dtype != DType::BF16 {
+        return Err(Error::invalid(
+            op,
+            format!(
+                "{} is {:?}; a {dtype:?} convolution takes it as {dtype:?} or f32",
+                t.tag(),
+                t.dtype()
+            ),
+        ));
+    }
+    let Some(stage) = stage else {
+        return Err(Error::Cuda {
+            op,
+            reason: format!("no staging region was planned for {}", t.tag()),
+        });
+    };
+    if fill {
+        cast(st, true, stage, t.device_address() + offset, images * image)?;
+    }
+    Ok(stage)
+}
+
 /// cuDNN forward with the geometry's chosen algorithm (alpha 1, beta 0:
-/// `y` overwritten) on the OHWI copy of `w` made in `ws`.
+/// `y` overwritten) on the OHWI copy of `w` made in `ws`, in the type of
+/// [`conv_dtype`]; under bf16 one tile of images at a time where an
+/// operand is f32 ([`ConvWs`]).
 pub fn conv2d_forward(
     y: &mut Tensor,
     x: &Tensor,
@@ -305,35 +384,85 @@ pub fn conv2d_forward(
     p: Precision,
 ) -> Result<()> {
     let op = "conv2d_forward";
-    conv_check(op, x, p)?;
-    let st = state(ordinal(y)?)?;
-    let need = dnn::cudnn_workspace_bytes(&st, g, ConvPass::Forward)?;
-    let (cws, have) = cudnn_region(op, ws, g, ConvPass::Forward, need)?;
-    let w_t = dnn::regions_base(ws.device_address());
-    transpose_weight(&st, w_t, w, g, false)?;
-    // The transpose ran first on the same stream.
-    dnn::conv_forward(
-        &st,
-        g,
-        &dnn::ConvArgs {
-            x: x.device_address(),
-            w: w_t,
-            y: y.device_address(),
-            ws: cws,
-            ws_bytes: have,
-        },
-    )?;
-    // As the CPU's bf16 convolution: its output comes back rounded.
-    if p == Precision::BF16 {
+    let ordinal = ordinal(y)?;
+    let st = state(ordinal)?;
+    let dtype = conv_dtype(ordinal, p);
+    if dtype == DType::F32 {
+        for t in [&*y, x] {
+            f32_only(op, t)?;
+        }
+    }
+    let layout = ConvWs::new(g, ConvPass::Forward, dtype, x.dtype(), y.dtype());
+    let wsp = Workspace::new(op, &st, ws, g, ConvPass::Forward, layout)?;
+    let w_t = wsp.at(layout.w);
+    transpose_weight(&st, w_t, w, g, dtype, false)?;
+    let (in_image, out_image) = (g.h * g.w * g.cin, g.oh() * g.ow() * g.cout);
+    // Each kernel and cuDNN call runs in order on the device's one stream,
+    // so a staging region is reused only after the call reading it.
+    for (first, images) in layout.tiles(g.n) {
+        let tile = ConvGeom { n: images, ..*g };
+        let stage = |at: Option<usize>| at.map(|a| wsp.at(a));
+        let xa = tile_operand(
+            op,
+            &st,
+            x,
+            dtype,
+            stage(layout.x),
+            first,
+            images,
+            in_image,
+            true,
+        )?;
+        let ya = tile_operand(
+            op,
+            &st,
+            y,
+            dtype,
+            stage(layout.y),
+            first,
+            images,
+            out_image,
+            false,
+        )?;
+        dnn::conv_forward(
+            &st,
+            &tile,
+            dtype,
+            &dnn::ConvArgs {
+                x: xa,
+                w: w_t,
+                y: ya,
+                ws: wsp.cudnn,
+                ws_bytes: wsp.cudnn_bytes,
+            },
+        )?;
+        if y.dtype() != dtype {
+            let offset = (first * out_image * 4) as u64;
+            cast(
+                &st,
+                false,
+                y.device_address() + offset,
+                ya,
+                images * out_image,
+            )?;
+        }
+    }
+    // As the CPU's bf16 convolution: its output comes back rounded (a
+    // bf16 cuDNN output is rounded once already, as the CPU's bf16 one).
+    if p == Precision::BF16 && dtype == DType::F32 {
         round(y, p)?;
     }
     Ok(())
 }
 
-/// cuDNN backward-data with the geometry's chosen algorithm into `dx` with
-/// beta = 1 (accumulating, as the CPU's dgrad does), and backward-filter
-/// into the OHWI region of `ws` (beta = 0), then added into `dw` (HWIO)
-/// by `ohwi_add_to_hwio`. Under `--profile` the two halves are timed as
+/// cuDNN backward-data with the geometry's chosen algorithm into `dx`
+/// (accumulating, as the CPU's dgrad does) and backward-filter into the
+/// OHWI region of `ws` (beta = 0), then added into `dw` (HWIO) by
+/// `ohwi_add_to_hwio`. In f32 one call each, beta = 1 into `dx`. In bf16
+/// one tile of images at a time: `dy` narrowed into its region (unless
+/// stored in bf16), backward-data into the `dx` region then added into the
+/// f32 `dx` and rounded to bf16 (`add_assign`), backward-filter of the
+/// tile added into `dw`. Under `--profile` the two halves are timed as
 /// conv dgrad and conv wgrad (host time: what enqueueing them costs).
 #[allow(clippy::too_many_arguments)]
 pub fn conv2d_backward(
@@ -348,49 +477,121 @@ pub fn conv2d_backward(
 ) -> Result<()> {
     use crate::profile::{Family, timed};
     let op = "conv2d_backward";
-    conv_check(op, x, p)?;
-    let st = state(ordinal(dw)?)?;
-    let need = dnn::cudnn_workspace_bytes(&st, g, ConvPass::Backward)?;
-    let (cws, have) = cudnn_region(op, ws, g, ConvPass::Backward, need)?;
-    let w_t = dnn::regions_base(ws.device_address());
-    let dw_t = w_t + dnn::weight_region_bytes(g) as u64;
-    if let Some(dx) = dx {
-        timed(Family::ConvDgrad, 0, || -> Result<()> {
-            transpose_weight(&st, w_t, w, g, false)?;
-            dnn::conv_backward_data(
-                &st,
-                g,
-                &dnn::ConvArgs {
-                    x: dx.device_address(),
-                    w: w_t,
-                    y: dy.device_address(),
-                    ws: cws,
-                    ws_bytes: have,
-                },
-            )?;
-            // As the CPU's: dx (with what it accumulated) comes back rounded.
-            if p == Precision::BF16 {
-                round(dx, p)?;
-            }
-            Ok(())
+    let ordinal = ordinal(dw)?;
+    let st = state(ordinal)?;
+    let dtype = conv_dtype(ordinal, p);
+    if dtype == DType::F32 {
+        for t in [dy, x] {
+            f32_only(op, t)?;
+        }
+    }
+    if let Some(dx) = dx.as_deref() {
+        f32_only(op, dx)?;
+    }
+    let layout = ConvWs::new(g, ConvPass::Backward, dtype, x.dtype(), DType::F32);
+    let wsp = Workspace::new(op, &st, ws, g, ConvPass::Backward, layout)?;
+    let w_t = wsp.at(layout.w);
+    let Some(dw_at) = layout.dw else {
+        return Err(Error::Cuda {
+            op,
+            reason: "the backward layout has no weight-gradient region".into(),
+        });
+    };
+    let dw_t = wsp.at(dw_at);
+    let mut dx = dx;
+    if dx.is_some() {
+        timed(Family::ConvDgrad, 0, || {
+            transpose_weight(&st, w_t, w, g, dtype, false)
         })?;
     }
-    // The data pass before it is ordered on the same stream, so reusing
-    // the cuDNN region is safe.
-    timed(Family::ConvWgrad, 0, || -> Result<()> {
-        dnn::conv_backward_filter(
+    let (in_image, out_image) = (g.h * g.w * g.cin, g.oh() * g.ow() * g.cout);
+    let stage = |at: Option<usize>| at.map(|a| wsp.at(a));
+    for (first, images) in layout.tiles(g.n) {
+        let tile = ConvGeom { n: images, ..*g };
+        let dya = tile_operand(
+            op,
             &st,
-            g,
-            &dnn::ConvArgs {
-                x: x.device_address(),
-                w: dw_t,
-                y: dy.device_address(),
-                ws: cws,
-                ws_bytes: have,
-            },
+            dy,
+            dtype,
+            stage(layout.y),
+            first,
+            images,
+            out_image,
+            true,
         )?;
-        transpose_weight(&st, dw_t, dw, g, true)
-    })
+        if let Some(dx) = dx.as_deref_mut() {
+            timed(Family::ConvDgrad, 0, || -> Result<()> {
+                let in_place = dtype == DType::F32;
+                let dxa = if in_place {
+                    dx.device_address()
+                } else {
+                    stage(layout.dx).ok_or_else(|| Error::Cuda {
+                        op,
+                        reason: "no staging region was planned for dx".into(),
+                    })?
+                };
+                dnn::conv_backward_data(
+                    &st,
+                    &tile,
+                    dtype,
+                    if in_place { 1.0 } else { 0.0 },
+                    &dnn::ConvArgs {
+                        x: dxa,
+                        w: w_t,
+                        y: dya,
+                        ws: wsp.cudnn,
+                        ws_bytes: wsp.cudnn_bytes,
+                    },
+                )?;
+                if in_place {
+                    // As the CPU's: dx (with what it accumulated) comes back rounded.
+                    if p == Precision::BF16 {
+                        round(dx, p)?;
+                    }
+                    return Ok(());
+                }
+                // dx += the tile's bf16 gradient, rounded to bf16 as the CPU's.
+                let at = dx.device_address() + (first * in_image * 4) as u64;
+                let n = images * in_image;
+                launch(
+                    &st,
+                    "relu",
+                    "add_assign_bf16",
+                    n,
+                    &[Arg::Ptr(at), Arg::Ptr(dxa), n64(n), Arg::I32(round_arg(p))],
+                )
+            })?;
+        }
+        // The data pass before it is ordered on the same stream, so reusing
+        // the cuDNN region is safe.
+        timed(Family::ConvWgrad, 0, || -> Result<()> {
+            let xa = tile_operand(
+                op,
+                &st,
+                x,
+                dtype,
+                stage(layout.x),
+                first,
+                images,
+                in_image,
+                true,
+            )?;
+            dnn::conv_backward_filter(
+                &st,
+                &tile,
+                dtype,
+                &dnn::ConvArgs {
+                    x: xa,
+                    w: dw_t,
+                    y: dya,
+                    ws: wsp.cudnn,
+                    ws_bytes: wsp.cudnn_bytes,
+                },
+            )?;
+            transpose_weight(&st, dw_t, dw, g, dtype, true)
+        })?;
+    }
+    Ok(())
 }
 
 /// cuBLAS's workspace from the pool of `t` ([`scratch::cublas_workspace`]),
@@ -531,10 +732,15 @@ pub fn bn_batch_stats(
         Tag::fixed("bn partial sums"),
         false,
     )?;
+    let x_bf16 = is_bf16(op, x)?;
     launch_shape(
         &st,
         "batchnorm",
-        "bn_stats_partial",
+        if x_bf16 {
+            "bn_stats_partial_bf16"
+        } else {
+            "bn_stats_partial"
+        },
         bn_partial_grid(op, rows, c)?,
         (BN_THREADS, 1, 1),
         &[ptr(&partial), ptr(x), n64(rows), i32_arg(op, c)?],
@@ -542,7 +748,11 @@ pub fn bn_batch_stats(
     launch(
         &st,
         "batchnorm",
-        "bn_stats_finish",
+        if x_bf16 {
+            "bn_stats_finish_bf16"
+        } else {
+            "bn_stats_finish"
+        },
         c,
         &[
             ptr(mean),
@@ -695,16 +905,14 @@ pub fn bn_backward(
     if rows == 0 {
         return Ok(());
     }
-    let out_bf16 = match relu_out {
-        Some(o) => is_bf16(op, o)?,
-        None => false,
+    f32_only(op, dx)?;
+    let flag = |t: Option<&Tensor>| -> Result<i32> {
+        Ok(match t {
+            Some(t) => i32::from(is_bf16(op, t)?),
+            None => 0,
+        })
     };
-    let suffix = match (is_bf16(op, x)?, out_bf16) {
-        (false, false) => "xf32_of32",
-        (false, true) => "xf32_obf16",
-        (true, false) => "xbf16_of32",
-        (true, true) => "xbf16_obf16",
-    };
+    let (dy_bf16, x_bf16, o_bf16) = (flag(Some(dy))?, flag(Some(x))?, flag(relu_out)?);
     let partial = dx.scratch(
         scratch::bn_partial(rows, c),
         Tag::fixed("bn partial sums"),
@@ -718,15 +926,18 @@ pub fn bn_backward(
     launch_shape(
         &st,
         "batchnorm",
-        &format!("bn_backward_partial_{suffix}"),
+        "bn_backward_partial",
         bn_partial_grid(op, rows, c)?,
         (BN_THREADS, 1, 1),
         &[
             ptr(&partial),
             ptr(dy),
+            Arg::I32(dy_bf16),
             ptr(x),
+            Arg::I32(x_bf16),
             ptr(mean),
             opt_ptr(relu_out),
+            Arg::I32(o_bf16),
             n64(rows),
             i32_arg(op, c)?,
         ],
@@ -751,14 +962,17 @@ pub fn bn_backward(
     launch(
         &st,
         "batchnorm",
-        &format!("bn_backward_dx_{suffix}"),
+        "bn_backward_dx",
         rows * c,
         &[
             ptr(dx),
             ptr(dy),
+            Arg::I32(dy_bf16),
             ptr(x),
+            Arg::I32(x_bf16),
             ptr(mean),
             opt_ptr(relu_out),
+            Arg::I32(o_bf16),
             ptr(&coefs),
             n64(rows),
             i32_arg(op, c)?,
@@ -776,9 +990,21 @@ pub fn add_relu_forward(
     mask: &mut Tensor,
     p: Precision,
 ) -> Result<()> {
+    let op = "add_relu_forward";
     let st = state(ordinal(z)?)?;
     let n = z.numel();
-    let name = if is_bf16("add_relu_forward", residual)? {
+    let r_bf16 = is_bf16(op, residual)?;
+    if is_bf16(op, z)? {
+        // The sum stored in bf16 (the CPU's add_relu_forward_bf16).
+        let name = if r_bf16 {
+            "add_relu_forward_zbf16_bf16"
+        } else {
+            "add_relu_forward_zbf16_f32"
+        };
+        let args = [ptr(z), ptr(mask), ptr(residual), n64(n)];
+        return launch(&st, "relu", name, n.div_ceil(8), &args);
+    }
+    let name = if r_bf16 {
         "add_relu_forward_bf16"
     } else {
         "add_relu_forward_f32"
@@ -794,13 +1020,21 @@ pub fn add_relu_forward(
 }
 
 pub fn add_assign(acc: &mut Tensor, x: &Tensor, p: Precision) -> Result<()> {
+    let op = "add_assign";
+    f32_only(op, acc)?;
     let st = state(ordinal(acc)?)?;
     let n = acc.numel();
+    let name = if is_bf16(op, x)? {
+        "add_assign_bf16"
+    } else {
+        "add_assign"
+    };
     let args = [ptr(acc), ptr(x), n64(n), Arg::I32(round_arg(p))];
-    launch(&st, "relu", "add_assign", n, &args)
+    launch(&st, "relu", name, n, &args)
 }
 
 pub fn relu_mask_forward(x: &mut Tensor, mask: &mut Tensor) -> Result<()> {
+    f32_only("relu_mask_forward", x)?;
     let st = state(ordinal(x)?)?;
     let n = x.numel();
     launch(
@@ -815,10 +1049,15 @@ pub fn relu_mask_forward(x: &mut Tensor, mask: &mut Tensor) -> Result<()> {
 pub fn relu_mask_backward_inplace(d: &mut Tensor, mask: &Tensor) -> Result<()> {
     let st = state(ordinal(d)?)?;
     let n = d.numel();
+    let name = if is_bf16("relu_mask_backward_inplace", d)? {
+        "relu_mask_backward_inplace_bf16"
+    } else {
+        "relu_mask_backward_inplace"
+    };
     launch(
         &st,
         "relu",
-        "relu_mask_backward_inplace",
+        name,
         n.div_ceil(8),
         &[ptr(d), ptr(mask), n64(n)],
     )
@@ -840,6 +1079,7 @@ fn pool_args(g: &PoolGeom) -> Result<Vec<Arg>> {
 }
 
 pub fn maxpool_forward(y: &mut Tensor, x: &Tensor, g: &PoolGeom) -> Result<()> {
+    f32_only("maxpool_forward", x)?;
     let st = state(ordinal(y)?)?;
     let mut args = vec![ptr(y), ptr(x)];
     args.extend(pool_args(g)?);
@@ -853,11 +1093,19 @@ pub fn maxpool_backward(
     g: &PoolGeom,
     p: Precision,
 ) -> Result<()> {
+    let op = "maxpool_backward";
+    f32_only(op, dx)?;
     let st = state(ordinal(dx)?)?;
+    let name = match (is_bf16(op, dy)?, is_bf16(op, x)?) {
+        (false, false) => "maxpool_backward",
+        (true, false) => "maxpool_backward_dybf16",
+        (false, true) => "maxpool_backward_xbf16",
+        (true, true) => "maxpool_backward_dybf16_xbf16",
+    };
     let mut args = vec![ptr(dx), ptr(dy), ptr(x)];
     args.extend(pool_args(g)?);
     args.push(Arg::I32(round_arg(p)));
-    launch(&st, "pool", "maxpool_backward", dx.numel(), &args)
+    launch(&st, "pool", name, dx.numel(), &args)
 }
 
 /// (n, hw, c) of an NHWC tensor.
@@ -867,9 +1115,10 @@ fn n_hw_c(t: &Tensor) -> (usize, usize, usize) {
 }
 
 pub fn avgpool_forward(y: &mut Tensor, x: &Tensor, p: Precision) -> Result<()> {
+    let op = "avgpool_forward";
+    f32_only(op, x)?;
     let st = state(ordinal(y)?)?;
     let (n, hw, c) = n_hw_c(x);
-    let op = "avgpool_forward";
     let args = [
         ptr(y),
         ptr(x),
@@ -882,9 +1131,10 @@ pub fn avgpool_forward(y: &mut Tensor, x: &Tensor, p: Precision) -> Result<()> {
 }
 
 pub fn avgpool_backward(dx: &mut Tensor, dy: &Tensor, p: Precision) -> Result<()> {
+    let op = "avgpool_backward";
+    f32_only(op, dy)?;
     let st = state(ordinal(dx)?)?;
     let (n, hw, c) = n_hw_c(dx);
-    let op = "avgpool_backward";
     let args = [
         ptr(dx),
         ptr(dy),

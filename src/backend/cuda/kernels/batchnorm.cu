@@ -22,21 +22,22 @@
 
 // Mirrors the chunk loop of channel_sums2 with bn_batch_stats' row_fn:
 // shifted sums (by the first row) of d = x - shift and d*d.
-// partial: (chunks, 2, c) f64 out; x: (rows, c) f32.
-extern "C" __global__ void bn_stats_partial(double* partial, const float* x, long long rows,
-                                            int c) {
+// partial: (chunks, 2, c) f64 out; x: (rows, c) f32 or bf16 (a stored
+// activation, read in place).
+template <typename X>
+__device__ void bn_stats_partial_any(double* partial, const X* x, long long rows, int c) {
     long long chunk = blockIdx.x;
     int ch = blockIdx.y * blockDim.x + threadIdx.x;
     if (ch >= c) return;
     long long r0 = chunk * BN_CHUNK_ROWS;
     long long r1 = min(r0 + BN_CHUNK_ROWS, rows);
-    float shift = x[ch];
+    float shift = read_f32(x[ch]);
     double t0 = 0.0, t1 = 0.0;
     for (long long run = r0; run < r1; run += BN_RUN_ROWS) {
         long long end = min(run + BN_RUN_ROWS, r1);
         float s0 = 0.0f, s1 = 0.0f;
         for (long long r = run; r < end; r++) {
-            float d = x[r * c + ch] - shift;
+            float d = read_f32(x[r * c + ch]) - shift;
             s0 += d;
             s1 += d * d;
         }
@@ -47,14 +48,24 @@ extern "C" __global__ void bn_stats_partial(double* partial, const float* x, lon
     partial[(chunk * 2 + 1) * c + ch] = t1;
 }
 
+extern "C" __global__ void bn_stats_partial(double* partial, const float* x, long long rows,
+                                            int c) {
+    bn_stats_partial_any(partial, x, rows, c);
+}
+
+extern "C" __global__ void bn_stats_partial_bf16(double* partial, const bf16_t* x,
+                                                 long long rows, int c) {
+    bn_stats_partial_any(partial, x, rows, c);
+}
+
 // Mirrors the end of bn_batch_stats followed by bn_rstd (what the CPU
 // backend's bn_batch_stats does): chunks added in order, then
 // mean = shift + m, var = max(E[d^2] - m^2, 0), rstd = 1 / sqrt(var + eps).
 // mean, var, rstd: (c) f32 out; partial: (chunks, 2, c); x: (rows, c).
 // One thread per channel.
-extern "C" __global__ void bn_stats_finish(float* mean, float* var, float* rstd,
-                                           const double* partial, const float* x,
-                                           long long rows, int c, float eps) {
+template <typename X>
+__device__ void bn_stats_finish_any(float* mean, float* var, float* rstd, const double* partial,
+                                    const X* x, long long rows, int c, float eps) {
     int ch = (int)global_index();
     if (ch >= c) return;
     long long chunks = (rows + BN_CHUNK_ROWS - 1) / BN_CHUNK_ROWS;
@@ -64,10 +75,22 @@ extern "C" __global__ void bn_stats_finish(float* mean, float* var, float* rstd,
         sum_sq += partial[(k * 2 + 1) * c + ch];
     }
     double m = sum / (double)rows;
-    mean[ch] = (float)((double)x[ch] + m);
+    mean[ch] = (float)((double)read_f32(x[ch]) + m);
     float v = (float)fmax(sum_sq / (double)rows - m * m, 0.0);
     var[ch] = v;
     rstd[ch] = 1.0f / sqrtf(v + eps);
+}
+
+extern "C" __global__ void bn_stats_finish(float* mean, float* var, float* rstd,
+                                           const double* partial, const float* x,
+                                           long long rows, int c, float eps) {
+    bn_stats_finish_any(mean, var, rstd, partial, x, rows, c, eps);
+}
+
+extern "C" __global__ void bn_stats_finish_bf16(float* mean, float* var, float* rstd,
+                                                const double* partial, const bf16_t* x,
+                                                long long rows, int c, float eps) {
+    bn_stats_finish_any(mean, var, rstd, partial, x, rows, c, eps);
 }
 
 // Mirrors bn_update_running: running = (1 - momentum)*running +
@@ -168,14 +191,30 @@ extern "C" __global__ void bn_forward_xbf16_ybf16(bf16_t* y, bf16_t* x_low, cons
     bn_forward_bf16_out(y, x_low, x, mean, rstd, gamma, beta, rows, c, relu);
 }
 
+// The backward kernels read dy, x and relu_out each as f32 or bf16 (a
+// stored activation or a gradient handed between blocks in bf16), chosen
+// per call by a flag (1 = bf16): the same loads for every thread, so no
+// divergence, and one kernel instead of eight typed copies.
+__device__ __forceinline__ float load_any(const void* p, long long i, int bf16) {
+    return bf16 ? bf16_to_f32(((const bf16_t*)p)[i]) : ((const float*)p)[i];
+}
+
+// g = dy where the fused ReLU passed (relu_out > 0), or dy when relu_out is
+// null.
+__device__ __forceinline__ float bn_masked_grad(const void* dy, int dy_bf16,
+                                                const void* relu_out, int o_bf16, long long i) {
+    float d = load_any(dy, i, dy_bf16);
+    return relu_out ? (load_any(relu_out, i, o_bf16) > 0.0f ? d : 0.0f) : d;
+}
+
 // Mirrors the first pass of bn_backward: per (chunk, channel), sum g and
-// g*(x - mean) in the order of channel_sums2, where g = dy where the fused
-// ReLU passed (relu_out > 0), or dy when relu_out is null.
-// partial: (chunks, 2, c) f64 out; dy: (rows, c) f32; x: (rows, c);
-// mean: (c); relu_out: (rows, c) or null.
-template <typename X, typename O>
-__device__ void bn_backward_partial(double* partial, const float* dy, const X* x,
-                                    const float* mean, const O* relu_out, long long rows, int c) {
+// g*(x - mean) in the order of channel_sums2.
+// partial: (chunks, 2, c) f64 out; dy: (rows, c); x: (rows, c);
+// mean: (c) f32; relu_out: (rows, c) or null.
+extern "C" __global__ void bn_backward_partial(double* partial, const void* dy, int dy_bf16,
+                                               const void* x, int x_bf16, const float* mean,
+                                               const void* relu_out, int o_bf16,
+                                               long long rows, int c) {
     long long chunk = blockIdx.x;
     int ch = blockIdx.y * blockDim.x + threadIdx.x;
     if (ch >= c) return;
@@ -188,44 +227,15 @@ __device__ void bn_backward_partial(double* partial, const float* dy, const X* x
         float s0 = 0.0f, s1 = 0.0f;
         for (long long r = run; r < end; r++) {
             long long i = r * c + ch;
-            float d = dy[i];
-            float g = relu_out ? (read_f32(relu_out[i]) > 0.0f ? d : 0.0f) : d;
+            float g = bn_masked_grad(dy, dy_bf16, relu_out, o_bf16, i);
             s0 += g;
-            s1 += g * (read_f32(x[i]) - m);
+            s1 += g * (load_any(x, i, x_bf16) - m);
         }
         t0 += (double)s0;
         t1 += (double)s1;
     }
     partial[(chunk * 2 + 0) * c + ch] = t0;
     partial[(chunk * 2 + 1) * c + ch] = t1;
-}
-
-extern "C" __global__ void bn_backward_partial_xf32_of32(double* partial, const float* dy,
-                                                        const float* x, const float* mean,
-                                                        const float* relu_out, long long rows,
-                                                        int c) {
-    bn_backward_partial(partial, dy, x, mean, relu_out, rows, c);
-}
-
-extern "C" __global__ void bn_backward_partial_xf32_obf16(double* partial, const float* dy,
-                                                         const float* x, const float* mean,
-                                                         const bf16_t* relu_out, long long rows,
-                                                         int c) {
-    bn_backward_partial(partial, dy, x, mean, relu_out, rows, c);
-}
-
-extern "C" __global__ void bn_backward_partial_xbf16_of32(double* partial, const float* dy,
-                                                         const bf16_t* x, const float* mean,
-                                                         const float* relu_out, long long rows,
-                                                         int c) {
-    bn_backward_partial(partial, dy, x, mean, relu_out, rows, c);
-}
-
-extern "C" __global__ void bn_backward_partial_xbf16_obf16(double* partial, const float* dy,
-                                                          const bf16_t* x, const float* mean,
-                                                          const bf16_t* relu_out,
-                                                          long long rows, int c) {
-    bn_backward_partial(partial, dy, x, mean, relu_out, rows, c);
 }
 
 // Mirrors the middle of bn_backward: chunks added in order; dbeta += sum g,
@@ -264,46 +274,18 @@ extern "C" __global__ void bn_backward_finish(float* coefs, float* dgamma, float
 
 // Mirrors the second pass of bn_backward: dx = scale*g + coef*(x - mean) +
 // bias (overwrites dx), finished with `round`.
-// dx: (rows, c) f32 out; dy: (rows, c); x: (rows, c); mean: (c);
-// relu_out: (rows, c) or null; coefs: (3, c) from bn_backward_finish.
+// dx: (rows, c) f32 out; dy, x, relu_out (or null): (rows, c), typed by
+// their flags; mean: (c); coefs: (3, c) from bn_backward_finish.
 // One thread per element.
-template <typename X, typename O>
-__device__ void bn_backward_dx(float* dx, const float* dy, const X* x, const float* mean,
-                               const O* relu_out, const float* coefs, long long rows, int c,
-                               int round) {
+extern "C" __global__ void bn_backward_dx(float* dx, const void* dy, int dy_bf16, const void* x,
+                                          int x_bf16, const float* mean, const void* relu_out,
+                                          int o_bf16, const float* coefs, long long rows, int c,
+                                          int round) {
     long long i = global_index();
     if (i >= rows * c) return;
     int ch = (int)(i % c);
-    float d = dy[i];
-    float g = relu_out ? (read_f32(relu_out[i]) > 0.0f ? d : 0.0f) : d;
-    float out = coefs[ch] * g + coefs[c + ch] * (read_f32(x[i]) - mean[ch]) + coefs[2 * c + ch];
+    float g = bn_masked_grad(dy, dy_bf16, relu_out, o_bf16, i);
+    float out = coefs[ch] * g + coefs[c + ch] * (load_any(x, i, x_bf16) - mean[ch]) +
+                coefs[2 * c + ch];
     dx[i] = round_to(out, round);
-}
-
-extern "C" __global__ void bn_backward_dx_xf32_of32(float* dx, const float* dy, const float* x,
-                                                   const float* mean, const float* relu_out,
-                                                   const float* coefs, long long rows, int c,
-                                                   int round) {
-    bn_backward_dx(dx, dy, x, mean, relu_out, coefs, rows, c, round);
-}
-
-extern "C" __global__ void bn_backward_dx_xf32_obf16(float* dx, const float* dy, const float* x,
-                                                    const float* mean, const bf16_t* relu_out,
-                                                    const float* coefs, long long rows, int c,
-                                                    int round) {
-    bn_backward_dx(dx, dy, x, mean, relu_out, coefs, rows, c, round);
-}
-
-extern "C" __global__ void bn_backward_dx_xbf16_of32(float* dx, const float* dy, const bf16_t* x,
-                                                    const float* mean, const float* relu_out,
-                                                    const float* coefs, long long rows, int c,
-                                                    int round) {
-    bn_backward_dx(dx, dy, x, mean, relu_out, coefs, rows, c, round);
-}
-
-extern "C" __global__ void bn_backward_dx_xbf16_obf16(float* dx, const float* dy,
-                                                     const bf16_t* x, const float* mean,
-                                                     const bf16_t* relu_out, const float* coefs,
-                                                     long long rows, int c, int round) {
-    bn_backward_dx(dx, dy, x, mean, relu_out, coefs, rows, c, round);
 }

@@ -45,11 +45,12 @@ extern "C" __global__ void maxpool_forward(float* y, const float* x, int n, int 
 // scatter, each input element gathers: it visits the windows that contain
 // it in the CPU's output order (oy, then ox), recomputes each window's
 // argmax, and adds dy where it is the argmax: no atomics, the CPU's sums.
-// dx: (n, h, w, c) out (overwritten); dy: (n, oh, ow, c); x: (n, h, w, c).
-// One thread per element of dx.
-extern "C" __global__ void maxpool_backward(float* dx, const float* dy, const float* x, int n,
-                                            int h, int w, int c, int k, int stride, int pad,
-                                            int oh, int ow, int round) {
+// dx: (n, h, w, c) out (overwritten); dy: (n, oh, ow, c); x: (n, h, w, c);
+// dy and x f32 or bf16 (read in place). One thread per element of dx.
+template <typename D, typename X>
+__device__ void maxpool_backward_any(float* dx, const D* dy, const X* x, int n, int h, int w,
+                                     int c, int k, int stride, int pad, int oh, int ow,
+                                     int round) {
     long long i = global_index();
     if (i >= (long long)n * h * w * c) return;
     int ch = (int)(i % c);
@@ -75,17 +76,37 @@ extern "C" __global__ void maxpool_backward(float* dx, const float* dy, const fl
             int arg = -1;  // the CPU's NONE
             for (int wy = y0; wy < y1; wy++) {
                 for (int wx = x0; wx < x1; wx++) {
-                    float v = x[((b * h + wy) * w + wx) * c + ch];
+                    float v = read_f32(x[((b * h + wy) * w + wx) * c + ch]);
                     if (v > best || is_nan_f32(v) || arg < 0) {
                         best = v;
                         arg = wy * w + wx;
                     }
                 }
             }
-            if (arg == me) acc += dy[((b * oh + oy) * ow + ox) * c + ch];
+            if (arg == me) acc += read_f32(dy[((b * oh + oy) * ow + ox) * c + ch]);
         }
     }
     dx[i] = round_to(acc, round);
+}
+
+extern "C" __global__ void maxpool_backward(float* dx, const float* dy, const float* x, int n, int h,
+    int w, int c, int k, int stride, int pad, int oh, int ow, int round) {
+    maxpool_backward_any(dx, dy, x, n, h, w, c, k, stride, pad, oh, ow, round);
+}
+
+extern "C" __global__ void maxpool_backward_dybf16(float* dx, const bf16_t* dy, const float* x, int n, int h,
+    int w, int c, int k, int stride, int pad, int oh, int ow, int round) {
+    maxpool_backward_any(dx, dy, x, n, h, w, c, k, stride, pad, oh, ow, round);
+}
+
+extern "C" __global__ void maxpool_backward_xbf16(float* dx, const float* dy, const bf16_t* x, int n, int h,
+    int w, int c, int k, int stride, int pad, int oh, int ow, int round) {
+    maxpool_backward_any(dx, dy, x, n, h, w, c, k, stride, pad, oh, ow, round);
+}
+
+extern "C" __global__ void maxpool_backward_dybf16_xbf16(float* dx, const bf16_t* dy, const bf16_t* x, int n, int h,
+    int w, int c, int k, int stride, int pad, int oh, int ow, int round) {
+    maxpool_backward_any(dx, dy, x, n, h, w, c, k, stride, pad, oh, ow, round);
 }
 
 // Mirrors avgpool_forward (then the backend's rounding): y = f32(sum in f64

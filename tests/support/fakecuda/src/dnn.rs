@@ -3,7 +3,10 @@
 //! three convolution passes, checked as cuDNN documents them and computed
 //! with memfit's CPU convolution.
 //!
-//! Supported here: what memfit uses (NHWC float tensors and filters,
+//! Supported here: what memfit uses (NHWC float tensors and filters, and
+//! NHWC bf16 ones with a float compute type, cuDNN's PSEUDO_BFLOAT16
+//! configuration: operands widened exactly, f32 accumulation, the result
+//! blended in f32 and rounded to bf16 to nearest even as it is stored;
 //! cross-correlation, equal padding and stride in both directions, no
 //! dilation, one group); anything else the real library accepts is
 //! refused with `CUDNN_STATUS_NOT_SUPPORTED` and a message saying so.
@@ -26,7 +29,7 @@ use cudarc::cudnn::sys::{
     cudnnConvolutionMode_t, cudnnDataType_t, cudnnDeterminism_t, cudnnFilterDescriptor_t,
     cudnnHandle_t, cudnnMathType_t, cudnnStatus_t, cudnnTensorDescriptor_t, cudnnTensorFormat_t,
 };
-use memfit::device::cpu::GemmMath;
+use memfit::device::cpu::{GemmMath, bf16_bits_to_f32, f32_to_bf16_bits};
 use memfit::ops::conv2d::{ConvGeom, ConvInput, conv2d_backward, conv2d_forward};
 
 use crate::memory::DeviceMemory;
@@ -301,6 +304,8 @@ pub extern "C" fn cudnnSetConvolutionMathType(
 struct Problem {
     geom: ConvGeom,
     math: cudnnMathType_t,
+    /// bf16 data (else float).
+    bf16: bool,
 }
 
 /// Checks the descriptors agree (cuDNN's BAD_PARAM cases) and are what
@@ -371,16 +376,16 @@ fn problem(
             [n, k, oh, ow]
         )));
     }
-    if xt.dtype == cudnnDataType_t::CUDNN_DATA_FLOAT
-        && ct.compute != cudnnDataType_t::CUDNN_DATA_FLOAT
-    {
+    let bf16 = match xt.dtype {
+        cudnnDataType_t::CUDNN_DATA_FLOAT => false,
+        cudnnDataType_t::CUDNN_DATA_BFLOAT16 => true,
+        other => return Err(unsupported(format!("{op}: data type {other:?}"))),
+    };
+    if ct.compute != cudnnDataType_t::CUDNN_DATA_FLOAT {
         return Err(bad(format!(
-            "{op}: float data needs a float compute type, not {:?}",
-            ct.compute
+            "{op}: {:?} data needs a float compute type, not {:?}",
+            xt.dtype, ct.compute
         )));
-    }
-    if xt.dtype != cudnnDataType_t::CUDNN_DATA_FLOAT {
-        return Err(unsupported(format!("{op}: data type {:?}", xt.dtype)));
     }
     let nhwc = cudnnTensorFormat_t::CUDNN_TENSOR_NHWC;
     if xt.format != nhwc || yt.format != nhwc || wt.format != nhwc {
@@ -409,6 +414,7 @@ fn problem(
             pad: ct.pad[0] as usize,
         },
         math: ct.math,
+        bf16,
     })
 }
 
@@ -715,25 +721,47 @@ fn hwio_to_krsc(w: &[f32], g: &ConvGeom) -> Vec<f32> {
     out
 }
 
-/// `dst = alpha * value + beta * dst` (beta 0: dst is not read, as cuDNN).
+/// `dst = alpha * value + beta * dst` (beta 0: dst is not read, as cuDNN),
+/// in f32; bf16 data is read widened and stored rounded to nearest even.
 fn blend(
     mem: &mut DeviceMemory,
     dst: u64,
     value: &[f32],
     alpha: f32,
     beta: f32,
+    bf16: bool,
 ) -> Result<(), String> {
     let out: Vec<f32> = if beta == 0.0 {
         value.iter().map(|v| alpha * v).collect()
     } else {
-        let old = mem.read_f32(dst, value.len())?;
+        let old = read_any(mem, dst, value.len(), bf16)?;
         value
             .iter()
             .zip(&old)
             .map(|(v, o)| alpha * v + beta * o)
             .collect()
     };
-    mem.write_f32(dst, &out)
+    if !bf16 {
+        return mem.write_f32(dst, &out);
+    }
+    let bytes: Vec<u8> = out
+        .iter()
+        .flat_map(|&v| f32_to_bf16_bits(v).to_le_bytes())
+        .collect();
+    mem.write(dst, &bytes)
+}
+
+/// `len` values at `at`, f32 or bf16 (widened exactly).
+fn read_any(mem: &DeviceMemory, at: u64, len: usize, bf16: bool) -> Result<Vec<f32>, String> {
+    if !bf16 {
+        return mem.read_f32(at, len);
+    }
+    let mut bytes = vec![0u8; len * 2];
+    mem.read(at, &mut bytes)?;
+    Ok(bytes
+        .chunks_exact(2)
+        .map(|c| bf16_bits_to_f32(u16::from_le_bytes([c[0], c[1]])))
+        .collect())
 }
 
 fn enqueue(
@@ -762,6 +790,7 @@ unsafe fn scalars(alpha: *const c_void, beta: *const c_void) -> Result<(f32, f32
 struct Pass {
     f: std::sync::MutexGuard<'static, Fake>,
     g: ConvGeom,
+    bf16: bool,
     workspace: Option<(u64, usize)>,
     alpha: f32,
     beta: f32,
@@ -782,12 +811,14 @@ unsafe fn check_pass(
     beta: *const c_void,
 ) -> Result<Pass, Status> {
     let f = fake();
-    let g = problem(&f, op, handle, xd, wd, conv, yd)?.geom;
+    let pr = problem(&f, op, handle, xd, wd, conv, yd)?;
+    let g = pr.geom;
     let workspace = check_workspace(&f, op, need(&g), ws, ws_bytes)?;
     let (alpha, beta) = unsafe { scalars(alpha, beta) }?;
     Ok(Pass {
         f,
         g,
+        bf16: pr.bf16,
         workspace,
         alpha,
         beta,
@@ -803,9 +834,15 @@ fn scribble(mem: &mut DeviceMemory, workspace: Option<(u64, usize)>) -> Result<(
     }
 }
 
-/// `len` floats at `at`, an error naming the operand `what`.
-fn read(mem: &DeviceMemory, at: u64, len: usize, what: &str) -> Result<Vec<f32>, String> {
-    mem.read_f32(at, len).map_err(|e| format!("{what}: {e}"))
+/// `len` values at `at` (bf16 widened), an error naming the operand `what`.
+fn read(
+    mem: &DeviceMemory,
+    at: u64,
+    len: usize,
+    bf16: bool,
+    what: &str,
+) -> Result<Vec<f32>, String> {
+    read_any(mem, at, len, bf16).map_err(|e| format!("{what}: {e}"))
 }
 
 #[unsafe(no_mangle)]
@@ -829,6 +866,7 @@ pub unsafe extern "C" fn cudnnConvolutionForward(
     let Pass {
         f,
         g,
+        bf16,
         workspace,
         alpha,
         beta,
@@ -853,8 +891,8 @@ pub unsafe extern "C" fn cudnnConvolutionForward(
     let (x, w, y) = (x as u64, w as u64, y as u64);
     let run = move |mem: &mut DeviceMemory| -> Result<(), String> {
         scribble(mem, workspace)?;
-        let xv = read(mem, x, g.input_len(), "x")?;
-        let wv = read(mem, w, g.weight_len(), "w")?;
+        let xv = read(mem, x, g.input_len(), bf16, "x")?;
+        let wv = read(mem, w, g.weight_len(), bf16, "w")?;
         let mut yv = vec![0.0; g.output_len()];
         let mut scratch = vec![0.0; g.forward_workspace_len()];
         conv2d_forward(
@@ -865,7 +903,7 @@ pub unsafe extern "C" fn cudnnConvolutionForward(
             &mut scratch,
             GemmMath::F32,
         );
-        blend(mem, y, &yv, alpha, beta).map_err(|e| format!("y: {e}"))
+        blend(mem, y, &yv, alpha, beta, bf16).map_err(|e| format!("y: {e}"))
     };
     enqueue(f, format!("{op} {g:?} {algo:?}"), Box::new(run))
 }
@@ -891,6 +929,7 @@ pub unsafe extern "C" fn cudnnConvolutionBackwardData(
     let Pass {
         f,
         g,
+        bf16,
         workspace,
         alpha,
         beta,
@@ -915,8 +954,8 @@ pub unsafe extern "C" fn cudnnConvolutionBackwardData(
     let (w, dy, dx) = (w as u64, dy as u64, dx as u64);
     let run = move |mem: &mut DeviceMemory| -> Result<(), String> {
         scribble(mem, workspace)?;
-        let wv = read(mem, w, g.weight_len(), "w")?;
-        let dyv = read(mem, dy, g.output_len(), "dy")?;
+        let wv = read(mem, w, g.weight_len(), bf16, "w")?;
+        let dyv = read(mem, dy, g.output_len(), bf16, "dy")?;
         let mut dxv = vec![0.0; g.input_len()];
         // memfit's backward computes both gradients; the weight's is dropped
         // (its input is zeros: backward data does not read x).
@@ -933,7 +972,7 @@ pub unsafe extern "C" fn cudnnConvolutionBackwardData(
             &mut scratch,
             GemmMath::F32,
         );
-        blend(mem, dx, &dxv, alpha, beta).map_err(|e| format!("dx: {e}"))
+        blend(mem, dx, &dxv, alpha, beta, bf16).map_err(|e| format!("dx: {e}"))
     };
     enqueue(f, format!("{op} {g:?} {algo:?}"), Box::new(run))
 }
@@ -959,6 +998,7 @@ pub unsafe extern "C" fn cudnnConvolutionBackwardFilter(
     let Pass {
         f,
         g,
+        bf16,
         workspace,
         alpha,
         beta,
@@ -983,8 +1023,8 @@ pub unsafe extern "C" fn cudnnConvolutionBackwardFilter(
     let (x, dy, dw) = (x as u64, dy as u64, dw as u64);
     let run = move |mem: &mut DeviceMemory| -> Result<(), String> {
         scribble(mem, workspace)?;
-        let xv = read(mem, x, g.input_len(), "x")?;
-        let dyv = read(mem, dy, g.output_len(), "dy")?;
+        let xv = read(mem, x, g.input_len(), bf16, "x")?;
+        let dyv = read(mem, dy, g.output_len(), bf16, "dy")?;
         let mut dw_hwio = vec![0.0; g.weight_len()];
         let w_unused = vec![0.0; g.weight_len()];
         let mut scratch = vec![0.0; g.backward_workspace_len()];
@@ -998,7 +1038,8 @@ pub unsafe extern "C" fn cudnnConvolutionBackwardFilter(
             &mut scratch,
             GemmMath::F32,
         );
-        blend(mem, dw, &hwio_to_krsc(&dw_hwio, &g), alpha, beta).map_err(|e| format!("dw: {e}"))
+        blend(mem, dw, &hwio_to_krsc(&dw_hwio, &g), alpha, beta, bf16)
+            .map_err(|e| format!("dw: {e}"))
     };
     enqueue(f, format!("{op} {g:?} {algo:?}"), Box::new(run))
 }
