@@ -36,6 +36,12 @@ pub enum Error {
         micro_batch: usize,
         persistent: usize,
     },
+    /// The system refused host memory (an `mmap` of a pool segment).
+    #[error(
+        "the system refused {} of host memory for the pool",
+        crate::accounting::fmt_bytes(*bytes)
+    )]
+    HostMemory { bytes: usize },
 
     // === Input files ===
     #[error("{path}: {reason}")]

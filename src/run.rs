@@ -532,6 +532,11 @@ pub fn train_on(
         eprintln!("warning: {w}");
     }
     let pool = Pool::on(device);
+    // The arena is shaped by the budget from the first allocation (the
+    // weights), as the planner's simulation shapes it: one segment of the
+    // budget holds the whole run. The budget itself is enforced once the
+    // plan is made.
+    pool.shape_segments_by(budget);
     // Synthetic gratings have as many classes as the head unless --classes
     // says otherwise.
     let data_opts = DataOptions {
@@ -900,10 +905,12 @@ pub fn train_on(
         let (p, m) = (resolved.predicted.peak_total, last.memory.peak_total);
         line!(
             out,
-            "predicted peak {} vs measured {} ({:+.2}%){}",
+            "predicted peak {} vs measured {} ({:+.2}%), reserved {} vs {}{}",
             fmt_bytes(p),
             fmt_bytes(m),
             100.0 * (m as f64 - p as f64) / p.max(1) as f64,
+            fmt_bytes(resolved.predicted.reserved_peak),
+            fmt_bytes(last.memory.reserved_peak),
             // The prediction is of the steady state: from the second step
             // on, the optimizer state is live during forward and backward.
             if total_steps.saturating_sub(resume_step) < 2 {

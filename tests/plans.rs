@@ -5,10 +5,12 @@
 mod common;
 
 use memfit::exec::{LossOptions, Plan, Segment, forward_backward, forward_eval};
-use memfit::memory::{Category, Pool, Tag};
+use memfit::memory::{Category, MemoryStats, Pool, Tag};
 use memfit::nn::{BlockKind, BnPolicy, Precision, ResNet, ResNetConfig, StateSlot, StemKind};
 use memfit::optim::{Optimizer, Sgd};
-use memfit::plan::{CostModel, Strategy, TimeModel, segments_plan, simulate, stages_plan};
+use memfit::plan::{
+    CostModel, Simulation, Strategy, TimeModel, segments_plan, simulate, stages_plan,
+};
 
 /// Every state_dict entry and every gradient, as raw bits.
 fn snapshot(model: &mut ResNet) -> Vec<(String, Vec<u32>)> {
@@ -151,8 +153,23 @@ fn every_plan_gives_bit_identical_gradients_and_bn_buffers() {
 /// The real run that `simulate` claims to predict: two optimizer steps of
 /// one micro-batch each, then one evaluation batch.
 fn measured_peak(config: &ResNetConfig, plan: &Plan, micro: usize, size: usize) -> usize {
+    measured_stats(config, plan, micro, size, None).peak_total
+}
+
+/// [`measured_peak`]'s run with its statistics, its arena shaped by
+/// `budget` from the start and the budget enforced from after the model is
+/// built (as `memfit train` does).
+fn measured_stats(
+    config: &ResNetConfig,
+    plan: &Plan,
+    micro: usize,
+    size: usize,
+    budget: Option<usize>,
+) -> MemoryStats {
     let pool = Pool::new();
+    pool.shape_segments_by(budget);
     let mut model = ResNet::new(&pool, config.clone()).unwrap();
+    pool.set_budget(budget);
     let mut opt = sgd();
     for seed in [1, 2] {
         model.zero_grad();
@@ -178,7 +195,7 @@ fn measured_peak(config: &ResNetConfig, plan: &Plan, micro: usize, size: usize) 
         )
         .unwrap();
     drop((logits, scratch));
-    pool.stats().peak_total
+    pool.stats()
 }
 
 #[test]
@@ -203,6 +220,40 @@ fn simulation_and_cost_model_predict_the_measured_peak_exactly() {
             }
         }
     }
+}
+
+/// The simulator lays out the arena's blocks as the real pool does. A
+/// ResNet-50 on small images under a budget at its live peak: its one
+/// segment leaves no slack, so fragmentation takes segments beyond it, and
+/// the reserved peak and the segments asked of the system must be the real
+/// run's.
+#[test]
+fn simulation_predicts_the_reserved_memory_and_its_fragmentation() {
+    let config = ResNetConfig::resnet50();
+    let (micro, size) = (2, 32);
+    let n = stage_names(&config).len();
+    let costs = CostModel::measure(&config, BnPolicy::Batch, &sgd(), micro, size).unwrap();
+    let mut over = 0;
+    for plan in [Plan::keep_all_len(n), segments_plan(&costs, 3)] {
+        let unbounded = simulate(&config, BnPolicy::Batch, &sgd(), &plan, micro, size).unwrap();
+        for budget in [None, Some(unbounded.peak_total)] {
+            let measured = measured_stats(&config, &plan, micro, size, budget);
+            let simulated = Simulation {
+                budget,
+                ..Simulation::new(&config, BnPolicy::Batch, &sgd(), &plan, micro, size)
+            }
+            .run()
+            .unwrap();
+            assert_eq!(
+                (simulated.reserved_peak, simulated.system_allocs),
+                (measured.reserved_peak, measured.system_allocs),
+                "{plan} budget {budget:?}: reserved peak and segments"
+            );
+            assert_eq!(simulated.peak_total, measured.peak_total, "{plan}");
+            over += usize::from(budget.is_some_and(|b| measured.reserved_peak > b));
+        }
+    }
+    assert!(over > 0, "no run went over its budget's reserve");
 }
 
 #[test]

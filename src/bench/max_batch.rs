@@ -1,6 +1,6 @@
 //! `memfit bench max-batch`: per memory strategy, the largest batch (no
-//! accumulation) whose predicted peak fits a budget. Predicted on the
-//! shapes-only simulator: nothing trains.
+//! accumulation) whose predicted peak and reserved memory fit a budget.
+//! Predicted on the shapes-only simulator: nothing trains.
 
 use crate::error::{Error, Result};
 use crate::memory::fmt_bytes;
@@ -57,11 +57,14 @@ pub struct MaxBatchRow {
     pub batch: usize,
     /// The predicted peak at that batch.
     pub predicted_peak: Option<usize>,
+    /// The memory its pool is predicted to hold from the system (live
+    /// blocks and the free ones between them), at most the budget.
+    pub predicted_reserved: Option<usize>,
 }
 
-/// The largest batch of `config` at `image_size`² whose predicted peak
-/// under `s` (SGD with momentum) fits `budget` bytes, by bisection (fitting
-/// is monotone in the batch), up to 2^16.
+/// The largest batch of `config` at `image_size`² whose predicted peak and
+/// reserved memory under `s` (SGD with momentum) fit `budget` bytes, by
+/// bisection (fitting is taken as monotone in the batch), up to 2^16.
 pub fn largest_batch(
     config: &ResNetConfig,
     image_size: usize,
@@ -69,7 +72,7 @@ pub fn largest_batch(
     s: &MaxBatchStrategy,
 ) -> Result<MaxBatchRow> {
     let optimizer = Optimizer::Sgd(Sgd::new(0.1, 0.9, 0.0, false));
-    let fits = |batch: usize| -> Result<Option<usize>> {
+    let fits = |batch: usize| -> Result<Option<(usize, usize)>> {
         let config = ResNetConfig {
             precision: s.precision,
             recompute_bn_relu: s.recompute_bn_relu,
@@ -90,7 +93,7 @@ pub fn largest_batch(
             processes: 1,
         };
         match resolve(&request) {
-            Ok(r) => Ok(Some(r.predicted.peak_total)),
+            Ok(r) => Ok(Some((r.predicted.peak_total, r.predicted.reserved_peak))),
             Err(Error::BudgetTooSmall { .. } | Error::InvalidArgument { .. }) => Ok(None),
             Err(e) => Err(e),
         }
@@ -108,11 +111,12 @@ pub fn largest_batch(
             hi = mid;
         }
     }
-    let predicted_peak = if lo > 0 { fits(lo)? } else { None };
+    let predicted = if lo > 0 { fits(lo)? } else { None };
     Ok(MaxBatchRow {
         strategy: s.clone(),
         batch: lo,
-        predicted_peak,
+        predicted_peak: predicted.map(|p| p.0),
+        predicted_reserved: predicted.map(|p| p.1),
     })
 }
 
@@ -124,7 +128,7 @@ pub fn format_max_batch_header(
     budget: usize,
 ) -> String {
     format!(
-        "{model} (base width {base_width}), {image_size}x{image_size}, SGD with momentum, budget {}: largest batch with no accumulation\n| strategy | precision | largest batch | predicted peak | vs none fp32 |\n|---|---|---|---|---|\n",
+        "{model} (base width {base_width}), {image_size}x{image_size}, SGD with momentum, budget {}: largest batch with no accumulation\n| strategy | precision | largest batch | predicted peak | reserved | vs none fp32 |\n|---|---|---|---|---|---|\n",
         fmt_bytes(budget)
     )
 }
@@ -132,11 +136,12 @@ pub fn format_max_batch_header(
 /// One line of the table; `base` is the first row's batch.
 pub fn format_max_batch_row(r: &MaxBatchRow, base: usize) -> String {
     format!(
-        "| {} | {} | {} | {} | {} |\n",
+        "| {} | {} | {} | {} | {} | {} |\n",
         r.strategy.label,
         r.strategy.precision,
         r.batch,
         r.predicted_peak.map_or("-".to_string(), fmt_bytes),
+        r.predicted_reserved.map_or("-".to_string(), fmt_bytes),
         if base > 0 {
             format!("{:.2}x", r.batch as f64 / base as f64)
         } else {

@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::memory::{MemoryStats, Pool, fmt_bytes};
 use crate::nn::{BnPolicy, Precision, ResNet};
 use crate::optim::Sgd;
-use crate::plan::{PlanRequest, resolve, simulate_processes};
+use crate::plan::{PlanRequest, Simulation, resolve};
 use crate::setup::{ModelSpec, bf16_emulation_note, gpu_memory_line, parse_precision, pick_device};
 use crate::train::step::{StepPolicy, TrainStep};
 use crate::train::{NanPolicy, Optimizer};
@@ -113,6 +113,9 @@ pub fn measure_steps_on(
                 .into(),
         ));
     }
+    // As `memfit train` and the simulation: one segment of the budget from
+    // the first allocation.
+    pool.shape_segments_by(budget);
     let mut config = a.model.config()?;
     config.target = pool.device().target();
     let fixed_precision = parse_precision(&a.precision)?;
@@ -167,16 +170,14 @@ pub fn measure_steps_on(
     model.set_precision(resolved.precision);
     let (plan, micro) = (resolved.plan.clone(), resolved.micro_batch);
     // The bench runs training steps only: predict those, without evaluation.
-    let predicted = simulate_processes(
-        &model.config,
-        BnPolicy::Batch,
-        &Optimizer::Sgd(Sgd::new(0.1, 0.9, 0.0, false)),
-        &plan,
-        micro,
-        s,
-        true,
+    let sgd = Optimizer::Sgd(Sgd::new(0.1, 0.9, 0.0, false));
+    let predicted = Simulation {
+        training_only: true,
         processes,
-    )?
+        budget,
+        ..Simulation::new(&model.config, BnPolicy::Batch, &sgd, &plan, micro, s)
+    }
+    .run()?
     .peak_total;
     outln!(
         out,

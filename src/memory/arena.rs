@@ -45,6 +45,78 @@ struct Block {
     free: bool,
 }
 
+/// Page ranges of a segment, as disjoint `start..end` by start (page
+/// multiples), with their total.
+#[derive(Default)]
+struct PageSet {
+    ranges: BTreeMap<usize, usize>,
+    bytes: usize,
+}
+
+impl PageSet {
+    /// Adds `start..end`; returns the bytes that were not in the set.
+    fn insert(&mut self, mut start: usize, mut end: usize) -> usize {
+        let before = self.bytes;
+        // Ranges that overlap or touch `start..end` merge into it.
+        while let Some((&s, &e)) = self
+            .ranges
+            .range(..=end)
+            .next_back()
+            .filter(|&(_, &e)| e >= start)
+        {
+            start = start.min(s);
+            end = end.max(e);
+            self.ranges.remove(&s);
+            self.bytes -= e - s;
+        }
+        self.ranges.insert(start, end);
+        self.bytes += end - start;
+        self.bytes - before
+    }
+
+    /// Bytes of the set inside `start..end`.
+    fn count(&self, start: usize, end: usize) -> usize {
+        let first = self
+            .ranges
+            .range(..start)
+            .next_back()
+            .map_or(start, |(&s, _)| s);
+        self.ranges
+            .range(first..end)
+            .map(|(&s, &e)| e.min(end).saturating_sub(s.max(start)))
+            .sum()
+    }
+
+    /// Takes `start..end` out of the set; returns the bytes removed.
+    fn remove(&mut self, start: usize, end: usize) -> usize {
+        let before = self.bytes;
+        let first = self
+            .ranges
+            .range(..start)
+            .next_back()
+            .map_or(start, |(&s, _)| s);
+        let hit: Vec<(usize, usize)> = self
+            .ranges
+            .range(first..end)
+            .map(|(&s, &e)| (s, e))
+            .filter(|&(_, e)| e > start)
+            .collect();
+        for (s, e) in hit {
+            self.ranges.remove(&s);
+            self.bytes -= e - s;
+            if s < start {
+                self.ranges.insert(s, start);
+                self.bytes += start - s;
+            }
+            if e > end {
+                self.ranges.insert(end, e);
+                self.bytes += e - end;
+            }
+        }
+        before - self.bytes
+    }
+}
+
 /// Where an arena's segments come from.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) enum Source {
@@ -55,6 +127,26 @@ pub(crate) enum Source {
     /// on the device's stream). The segment's base is the device address.
     #[cfg(any(feature = "cuda", feature = "cuda-12"))]
     Cuda(u32),
+    /// No memory: the meta device's simulation. Blocks are laid out exactly
+    /// as a real source's would be, so a simulated step predicts the
+    /// reserved and resident bytes (fragmentation included), not only the
+    /// live ones. `on_touch`: as host pages (the simulation of a CPU), else
+    /// as device memory.
+    Meta { on_touch: bool },
+}
+
+impl Source {
+    /// Whether the system commits a segment's pages only as they are
+    /// touched, and takes them back when given (`madvise`): host pages.
+    /// Device memory is committed whole when the segment is made.
+    fn commits_on_touch(self) -> bool {
+        match self {
+            Source::Host => true,
+            Source::Meta { on_touch } => on_touch,
+            #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+            Source::Cuda(_) => false,
+        }
+    }
 }
 
 struct Segment {
@@ -65,12 +157,17 @@ struct Segment {
     bytes: usize,
     /// Every block of the segment by offset; they tile it without gaps.
     blocks: BTreeMap<usize, Block>,
+    /// The pages the system may hold for the segment: all of device
+    /// memory; of host pages, those of blocks handed out since the segment
+    /// was made or the pages were given back (a block handed out is taken
+    /// to be written whole).
+    held: PageSet,
 }
 
-/// Zeroed host pages for a segment, committed lazily by the kernel. Aborts
-/// as any Rust allocation when the address space runs out.
+/// Zeroed host pages for a segment, committed lazily by the kernel; None
+/// when the system refuses the mapping.
 #[cfg(unix)]
-fn host_pages(bytes: usize) -> NonNull<u8> {
+fn host_pages(bytes: usize) -> Option<NonNull<u8>> {
     // SAFETY: a fresh private anonymous mapping aliases nothing; the
     // arguments are valid for any size > 0. MAP_NORESERVE: the budget is a
     // reservation of address space, not of swap.
@@ -85,12 +182,26 @@ fn host_pages(bytes: usize) -> NonNull<u8> {
         )
     };
     if ptr == libc::MAP_FAILED {
-        let layout = std::alloc::Layout::from_size_align(bytes, SEGMENT_ALIGN)
-            .unwrap_or(std::alloc::Layout::new::<u8>());
-        std::alloc::handle_alloc_error(layout)
+        return None;
     }
-    NonNull::new(ptr.cast::<u8>()).expect("mmap returns a non-null mapping")
+    NonNull::new(ptr.cast::<u8>())
 }
+
+/// Gives the pages of `bytes` at `base` (page-aligned) back to the system;
+/// the next touch reads zeros.
+#[cfg(unix)]
+fn forget_host_pages(base: NonNull<u8>, bytes: usize) {
+    // SAFETY: the range lies inside one mapping from host_pages, within a
+    // free block that no storage holds. MADV_DONTNEED on a private
+    // anonymous mapping drops the pages; the range stays mapped.
+    unsafe {
+        libc::madvise(base.as_ptr().cast(), bytes, libc::MADV_DONTNEED);
+    }
+}
+
+/// Without `madvise` the pages stay.
+#[cfg(not(unix))]
+fn forget_host_pages(_base: NonNull<u8>, _bytes: usize) {}
 
 /// Gives back host pages from [`host_pages`].
 #[cfg(unix)]
@@ -102,11 +213,11 @@ fn free_host_pages(base: NonNull<u8>, bytes: usize) {
 }
 
 #[cfg(not(unix))]
-fn host_pages(bytes: usize) -> NonNull<u8> {
+fn host_pages(bytes: usize) -> Option<NonNull<u8>> {
     let layout = Segment::layout(bytes);
     // SAFETY: bytes > 0 (every request is at least one block).
     let ptr = unsafe { alloc_zeroed(layout) };
-    NonNull::new(ptr).unwrap_or_else(|| std::alloc::handle_alloc_error(layout))
+    NonNull::new(ptr)
 }
 
 #[cfg(not(unix))]
@@ -134,6 +245,7 @@ impl Drop for Segment {
             // when the pool itself goes, which outlives every tensor: each
             // holds a lease on the pool).
             Source::Host => free_host_pages(self.base, self.bytes),
+            Source::Meta { .. } => {}
             #[cfg(any(feature = "cuda", feature = "cuda-12"))]
             Source::Cuda(n) => {
                 // A drop cannot return an error; a failed free leaks the
@@ -161,6 +273,8 @@ pub(crate) struct Arena {
     reserved: usize,
     /// Bytes of free blocks.
     free_bytes: usize,
+    /// Bytes of the segments' held pages (`Segment::held`).
+    resident: usize,
 }
 
 /// Rounds a request up to the block granularity (at least one unit).
@@ -179,6 +293,16 @@ impl Arena {
 
     pub(crate) fn reserved(&self) -> usize {
         self.reserved
+    }
+
+    /// See the field: what the system holds for the arena, at most.
+    pub(crate) fn resident(&self) -> usize {
+        self.resident
+    }
+
+    /// Whether [`Arena::forget_free_pages`] can lower `resident`.
+    pub(crate) fn commits_on_touch(&self) -> bool {
+        self.source.commits_on_touch()
     }
 
     #[cfg(test)]
@@ -200,9 +324,11 @@ impl Arena {
         match seg.source {
             // SAFETY: offset + bytes <= segment bytes (blocks tile the segment).
             Source::Host => unsafe { seg.base.add(place.offset) },
-            // A device address: integer arithmetic, no host pointer.
+            // A device address or a simulated one: integer arithmetic, no
+            // host pointer.
             #[cfg(any(feature = "cuda", feature = "cuda-12"))]
             Source::Cuda(_) => seg.base.map_addr(|a| a.saturating_add(place.offset)),
+            Source::Meta { .. } => seg.base.map_addr(|a| a.saturating_add(place.offset)),
         }
     }
 
@@ -232,6 +358,15 @@ impl Arena {
         let block = seg.blocks.get_mut(&offset).expect("block in its segment");
         block.bytes = used;
         block.free = false;
+        if self.source.commits_on_touch() {
+            let (start, end) = (
+                offset / SEGMENT_ALIGN * SEGMENT_ALIGN,
+                (offset + used)
+                    .next_multiple_of(SEGMENT_ALIGN)
+                    .min(seg.bytes),
+            );
+            self.resident += seg.held.insert(start, end);
+        }
         Some(Place {
             segment,
             offset,
@@ -269,12 +404,17 @@ impl Arena {
     }
 
     /// Asks the source for a zeroed segment of `bytes` (a multiple of
-    /// BLOCK_ALIGN) and makes it one free block. Host memory that runs out
-    /// aborts as any Rust allocation; a device that runs out (or fails) is
+    /// BLOCK_ALIGN) and makes it one free block. A refused host mapping is
+    /// an error (`Error::HostMemory`); a device that runs out (or fails) is
     /// an error (`Error::Cuda`, op `cuMemAlloc`).
     pub(crate) fn add_segment(&mut self, bytes: usize) -> crate::error::Result<()> {
         let base = match self.source {
-            Source::Host => host_pages(bytes),
+            Source::Host => host_pages(bytes).ok_or(crate::error::Error::HostMemory { bytes })?,
+            // Never dereferenced: meta storage holds no elements.
+            Source::Meta { .. } => {
+                NonNull::new(std::ptr::without_provenance_mut::<u8>(SEGMENT_ALIGN))
+                    .expect("a non-zero address")
+            }
             #[cfg(any(feature = "cuda", feature = "cuda-12"))]
             Source::Cuda(n) => {
                 let addr = crate::device::cuda::core(n)?.alloc_zeroed(bytes)?;
@@ -294,6 +434,12 @@ impl Arena {
                 self.segments.push(None);
                 self.segments.len() - 1
             });
+        // Device memory is committed now; host pages when touched.
+        let mut held = PageSet::default();
+        if !self.source.commits_on_touch() {
+            held.insert(0, bytes);
+        }
+        let resident = held.bytes;
         let mut blocks = BTreeMap::new();
         blocks.insert(0, Block { bytes, free: true });
         self.segments[index] = Some(Segment {
@@ -301,11 +447,58 @@ impl Arena {
             source: self.source,
             bytes,
             blocks,
+            held,
         });
         self.free.insert((bytes, index, 0));
         self.free_bytes += bytes;
         self.reserved += bytes;
+        self.resident += resident;
         Ok(())
+    }
+
+    /// Gives the pages of free blocks back to the system (host pages; the
+    /// meta device's simulation of them), the blocks holding the most first,
+    /// until `resident` is at most `target` or every free block's pages
+    /// went back. A block keeps the partial pages at its ends (a neighbour
+    /// in use shares them). Returns the bytes given back. Device memory
+    /// stays: it goes back only with its segment.
+    pub(crate) fn forget_free_pages(&mut self, target: usize) -> usize {
+        if !self.source.commits_on_touch() || self.resident <= target {
+            return 0;
+        }
+        // (held bytes, segment, first page, end page) of each free block.
+        let mut candidates: Vec<(usize, usize, usize, usize)> = Vec::new();
+        for (i, seg) in self.segments.iter().enumerate() {
+            let Some(seg) = seg else { continue };
+            for (&off, b) in seg.blocks.iter().filter(|(_, b)| b.free) {
+                let start = off.next_multiple_of(SEGMENT_ALIGN);
+                let end = (off + b.bytes) / SEGMENT_ALIGN * SEGMENT_ALIGN;
+                if start < end {
+                    let held = seg.held.count(start, end);
+                    if held > 0 {
+                        candidates.push((held, i, start, end));
+                    }
+                }
+            }
+        }
+        // Most held first, ties by address: a run forgets the same blocks
+        // every time, which the simulation relies on.
+        candidates.sort_unstable_by(|a, b| b.0.cmp(&a.0).then((a.1, a.2).cmp(&(b.1, b.2))));
+        let mut forgotten = 0;
+        for (_, i, start, end) in candidates {
+            if self.resident <= target {
+                break;
+            }
+            let seg = self.segments[i].as_mut().expect("a listed segment");
+            if seg.source == Source::Host {
+                // SAFETY: start < end <= the segment's bytes.
+                forget_host_pages(unsafe { seg.base.add(start) }, end - start);
+            }
+            let gone = seg.held.remove(start, end);
+            forgotten += gone;
+            self.resident -= gone;
+        }
+        forgotten
     }
 
     /// Returns unused segments to the system, smallest first, until at
@@ -327,7 +520,8 @@ impl Arena {
             self.free.remove(&(bytes, i, 0));
             self.free_bytes -= bytes;
             self.reserved -= bytes;
-            self.segments[i] = None; // Segment::drop frees the memory
+            let seg = self.segments[i].take(); // Segment::drop frees the memory
+            self.resident -= seg.map_or(0, |s| s.held.bytes);
             released += bytes;
         }
         released
@@ -363,6 +557,31 @@ mod tests {
         assert_eq!(free, a.free);
         assert_eq!(a.free_bytes, free.iter().map(|f| f.0).sum::<usize>());
         assert_eq!(a.reserved, reserved);
+        let mut resident = 0;
+        for s in a.segments.iter().flatten() {
+            let mut end = 0;
+            for (&start, &e) in &s.held.ranges {
+                assert!(
+                    start > end || end == 0 && start == 0,
+                    "held ranges touch or overlap"
+                );
+                assert!(start < e && e <= s.bytes.next_multiple_of(SEGMENT_ALIGN));
+                end = e;
+            }
+            assert_eq!(
+                s.held.bytes,
+                s.held.ranges.iter().map(|(a, b)| b - a).sum::<usize>()
+            );
+            for (&off, b) in s.blocks.iter().filter(|(_, b)| !b.free) {
+                assert_eq!(
+                    s.held.count(off, off + b.bytes),
+                    b.bytes,
+                    "a block in use is held"
+                );
+            }
+            resident += s.held.bytes;
+        }
+        assert_eq!(a.resident, resident);
     }
 
     /// A page; sizes below are in pages.
@@ -425,6 +644,53 @@ mod tests {
         check(&a);
     }
 
+    /// Free blocks' host pages go back to the system: `resident` falls to
+    /// the partial pages at their ends, and the memory reads zeros after.
+    #[test]
+    fn forgotten_pages_go_back_and_read_zero() {
+        let mut a = Arena::default();
+        a.add_segment(64 * K).unwrap();
+        assert_eq!(a.resident(), 0, "untouched host pages are not held");
+        let x = a.take(16 * K + 128).unwrap();
+        let y = a.take(8 * K).unwrap();
+        // Whole pages: x's 17th is y's first.
+        assert_eq!(a.resident(), 24 * K + K);
+        // SAFETY: x is a block of x.bytes this test holds.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(a.address(x).as_ptr(), x.bytes) };
+        bytes.fill(7);
+        a.give(x);
+        check(&a);
+        assert_eq!(a.resident(), 25 * K, "a freed block may still be held");
+        let forgotten = a.forget_free_pages(0);
+        check(&a);
+        // x starts the segment: its first 16 pages go back; its last 128
+        // bytes share a page with y, which is in use.
+        assert_eq!(forgotten, 16 * K);
+        assert_eq!(a.resident(), 9 * K);
+        // SAFETY: the block is free and untouched by anyone else; reading
+        // its bytes is reading the mapping.
+        let after = unsafe { std::slice::from_raw_parts(a.address(x).as_ptr(), 16 * K) };
+        assert!(after.iter().all(|&b| b == 0), "given-back pages read zero");
+        let x2 = a.take(16 * K).unwrap();
+        assert_eq!(a.resident(), 25 * K, "taken again: held again");
+        a.give(x2);
+        a.give(y);
+        check(&a);
+    }
+
+    /// Device memory is held whole from the start, and stays.
+    #[test]
+    fn device_like_segments_are_resident_whole() {
+        let mut a = Arena::new(Source::Meta { on_touch: false });
+        a.add_segment(64 * K).unwrap();
+        assert_eq!(a.resident(), 64 * K);
+        let x = a.take(16 * K).unwrap();
+        a.give(x);
+        assert_eq!(a.forget_free_pages(0), 0);
+        assert_eq!(a.resident(), 64 * K);
+        check(&a);
+    }
+
     /// Random alloc/free sequences keep every invariant and never hand out
     /// overlapping blocks.
     #[test]
@@ -447,6 +713,8 @@ mod tests {
                     assert!(p.bytes >= bytes && p.bytes < bytes + MIN_SPLIT);
                     held.push(p);
                 }
+            } else if next() % 7 == 0 {
+                a.forget_free_pages((next() % (128 * K as u64)) as usize);
             } else {
                 let i = (next() % held.len() as u64) as usize;
                 a.give(held.swap_remove(i));
@@ -466,5 +734,8 @@ mod tests {
         }
         check(&a);
         assert_eq!(a.free_bytes(), a.reserved());
+        a.forget_free_pages(0);
+        check(&a);
+        assert_eq!(a.resident(), 0, "whole free segments go back whole");
     }
 }

@@ -3,18 +3,24 @@
 //!
 //! * Accounting is by the bytes of storage tensors hold (`live`), per category
 //!   and in total, with peaks. `reserved` counts the memory held from the
-//!   system (live blocks, their rounding, and free cached blocks), like
-//!   PyTorch's reserved vs allocated.
+//!   system (live blocks, their rounding, and free cached blocks whose
+//!   pages were not given back), like PyTorch's reserved vs allocated.
 //! * Storage comes from a caching block allocator ([`arena`]): best fit,
 //!   split and merge, so a training step does no system allocation after
 //!   the first, even when its sizes vary.
 //! * An optional hard budget on live bytes: a request that would cross it
 //!   fails with [`Error::OutOfBudget`] and a [`BudgetReport`]. Reserved
-//!   memory is kept under the budget as well: under one, the pool holds a
-//!   single arena segment the size of the budget (its pages are touched
-//!   only as they are used), and goes over only when fragmentation leaves
-//!   no free block for a request that fits the budget (counted in
-//!   [`MemoryStats::reserved_peak`]).
+//!   memory (what the system holds for the pool) is kept under the budget
+//!   as well, from the first allocation on:
+//!   - Host pages: one segment of twice the budget's address space, whose
+//!     pages the kernel commits only as blocks are handed out. Before a
+//!     request would hold more than the budget, free blocks' pages go back
+//!     to the system (`madvise`). So fragmentation (no free block large
+//!     enough, though the live bytes fit) costs address space, not memory.
+//!   - Device memory is committed whole: one segment of the budget, and a
+//!     request that fragmentation leaves without a free block takes a
+//!     segment past it (counted in [`MemoryStats::reserved_peak`]; the
+//!     planner's simulation predicts it and `auto` avoids such plans).
 //! * An optional timeline records every alloc/free event.
 //! * A pool allocates on one [`Device`]. A pool on the *meta* device
 //!   ([`Pool::shapes_only`], [`Pool::on`]) does the same accounting with
@@ -39,6 +45,12 @@ const SEGMENT_BYTES: usize = 64 << 20;
 /// Under a budget, the one arena segment is at most this large, so a huge
 /// budget does not ask the system for an address range beyond reason.
 const MAX_SEGMENT_BYTES: usize = 4 << 30;
+/// Host pages: a segment under a budget spans this many times the budget
+/// of address space (its pages are held only where touched, and given
+/// back before the budget is crossed).
+const HOST_SPACE_PER_BUDGET: usize = 2;
+/// [`MAX_SEGMENT_BYTES`] for host pages.
+const MAX_HOST_SEGMENT_BYTES: usize = 64 << 30;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EventKind {
@@ -70,10 +82,14 @@ pub struct MemoryStats {
     pub peak_total: usize,
     /// Live bytes per category at the moment `peak_total` was reached.
     pub at_peak: ByCategory,
-    /// Memory held from the system: segments, live or free.
+    /// Memory held from the system (at most): device segments whole; of
+    /// host segments the pages of blocks in use and of free blocks whose
+    /// pages were not given back.
     pub reserved: usize,
     /// The highest `reserved` so far.
     pub reserved_peak: usize,
+    /// Address space of the segments (device memory: equal to `reserved`).
+    pub mapped: usize,
     /// Segments asked of the system.
     pub system_allocs: u64,
     /// Their bytes.
@@ -104,6 +120,9 @@ struct PoolState {
     peak_total: usize,
     at_peak: [usize; 6],
     budget: Option<usize>,
+    /// The budget the arena's segments are shaped by: `budget`, or (a
+    /// simulation) one that lays them out without refusing anything.
+    segment_budget: Option<usize>,
     arena: Arena,
     reserved_peak: usize,
     system_allocs: u64,
@@ -122,14 +141,37 @@ impl PoolState {
     /// A block of at least `bytes` (a block size): from the arena's free
     /// blocks, else from a new segment.
     fn take_block(&mut self, bytes: usize) -> Result<arena::Place> {
+        let place = self.take_block_unrecorded(bytes)?;
+        self.reserved_peak = self.reserved_peak.max(self.arena.resident());
+        Ok(place)
+    }
+
+    fn take_block_unrecorded(&mut self, bytes: usize) -> Result<arena::Place> {
+        let on_touch = self.arena.commits_on_touch();
+        if let Some(budget) = self.segment_budget.filter(|_| on_touch)
+            && self.arena.resident() + bytes > budget
+        {
+            // Host pages under a budget: the free blocks' pages go back to
+            // the system before the request would hold more than the
+            // budget. So fragmentation costs address space, not memory.
+            self.arena.forget_free_pages(budget.saturating_sub(bytes));
+        }
         if let Some(place) = self.arena.take(bytes) {
             self.reuses += 1;
             return Ok(place);
         }
-        let segment = match self.budget {
+        let segment = match self.segment_budget {
             None => bytes.max(SEGMENT_BYTES),
             Some(budget) => {
-                let room = |a: &Arena| budget.saturating_sub(a.reserved());
+                // Host pages cost memory only where touched: the segment
+                // is address space beyond the budget, for the blocks that
+                // fragmentation scatters (the budget bounds the pages).
+                let space = if on_touch {
+                    budget.saturating_mul(HOST_SPACE_PER_BUDGET)
+                } else {
+                    budget
+                };
+                let room = |a: &Arena| space.saturating_sub(a.reserved());
                 if room(&self.arena) < bytes {
                     // Unused segments (say, from before the budget was
                     // set) make way for one that can hold the request.
@@ -141,8 +183,12 @@ impl PoolState {
                     // All the room the budget leaves, in one segment: every
                     // later block is carved from it and its free neighbours
                     // merge, so the step settles into it.
-                    (room / arena::BLOCK_ALIGN * arena::BLOCK_ALIGN)
-                        .min(MAX_SEGMENT_BYTES.max(bytes))
+                    let most = if on_touch {
+                        MAX_HOST_SEGMENT_BYTES
+                    } else {
+                        MAX_SEGMENT_BYTES
+                    };
+                    (room / arena::BLOCK_ALIGN * arena::BLOCK_ALIGN).min(most.max(bytes))
                 } else {
                     // The request fits the budget's live bytes, but no free
                     // block is large enough (fragmentation): go over the
@@ -165,7 +211,6 @@ impl PoolState {
         };
         self.system_allocs += 1;
         self.system_alloc_bytes += segment;
-        self.reserved_peak = self.reserved_peak.max(self.arena.reserved());
         Ok(self
             .arena
             .take(bytes)
@@ -243,7 +288,10 @@ impl Pool {
         let source = match device {
             #[cfg(any(feature = "cuda", feature = "cuda-12"))]
             Device::Cuda(n) => arena::Source::Cuda(n),
-            _ => arena::Source::Host,
+            Device::Meta(target) => arena::Source::Meta {
+                on_touch: target == Target::Cpu,
+            },
+            Device::Cpu => arena::Source::Host,
         };
         let state = PoolState {
             arena: Arena::new(source),
@@ -280,7 +328,17 @@ impl Pool {
     }
 
     pub fn set_budget(&self, budget: Option<usize>) {
-        self.lock().budget = budget;
+        let mut s = self.lock();
+        s.budget = budget;
+        s.segment_budget = budget;
+    }
+
+    /// Shapes the arena's segments as under `budget` (see [`Pool::set_budget`])
+    /// without refusing what crosses it: a simulation measures how far a
+    /// step goes over, in live and in reserved bytes, where a refusal would
+    /// stop it at the first allocation.
+    pub fn shape_segments_by(&self, budget: Option<usize>) {
+        self.lock().segment_budget = budget;
     }
 
     pub fn budget(&self) -> Option<usize> {
@@ -306,8 +364,9 @@ impl Pool {
             peak_total: s.peak_total,
             at_peak: ByCategory(s.at_peak),
             largest_at_peak: s.largest_at_peak.clone(),
-            reserved: s.arena.reserved(),
+            reserved: s.arena.resident(),
             reserved_peak: s.reserved_peak,
+            mapped: s.arena.reserved(),
             system_allocs: s.system_allocs,
             system_alloc_bytes: s.system_alloc_bytes,
             reuses: s.reuses,
@@ -444,7 +503,9 @@ impl Pool {
                 s.report(&tag, category, bytes),
             )));
         }
-        let storage = if len == 0 {
+        // The meta device lays out blocks too (holding no elements), so its
+        // segments and their fragmentation are the real pool's.
+        let storage = if dtype.storage_len(numel) == 0 {
             Storage::empty(dtype)
         } else {
             let place = s.take_block(block_size(bytes))?;
@@ -776,7 +837,9 @@ mod tests {
             .unwrap();
         let s = pool.stats();
         assert_eq!((s.system_allocs, s.reuses), (1, 2));
-        assert_eq!(s.reserved, SEGMENT_BYTES);
+        // The segment is address space; the pages held are those handed
+        // out: b's 6 MiB over a's 4, and c's page.
+        assert_eq!((s.mapped, s.reserved), (SEGMENT_BYTES, 6 * MIB + 4096));
         assert_eq!(
             s.live.total(),
             6 * MIB + 400,
@@ -814,33 +877,64 @@ mod tests {
         }
         let s = pool.stats();
         assert_eq!((s.system_allocs, s.reuses), (1, 14));
-        assert_eq!((s.reserved, s.reserved_peak), (budget, budget));
+        // One segment of address space; pages held only as far as the
+        // live peak reached (e over a, b and c, beside d).
+        assert_eq!(s.mapped, 2 * budget);
+        assert_eq!((s.reserved, s.reserved_peak), (s.peak_total, s.peak_total));
     }
 
-    #[test]
-    fn fragmentation_under_a_budget_goes_over_the_reserve_not_the_budget() {
-        let pool = Pool::with_budget(8 * MIB);
+    /// 4 MiB live in 1 MiB pieces, every other MiB free: a 2 MiB request
+    /// fits the budget but no free block.
+    fn fragment(pool: &Pool) -> (Vec<Tensor>, Tensor) {
         let mib = |tag| {
             pool.empty_f32(&[MIB / 4], Category::Activations, Tag::fixed(tag))
                 .unwrap()
         };
-        let held: Vec<_> = (0..8).map(|_| mib("x")).collect();
-        let odd: Vec<_> = held
+        let all: Vec<_> = (0..8).map(|_| mib("x")).collect();
+        let odd: Vec<_> = all
             .into_iter()
             .enumerate()
             .filter(|(i, _)| i % 2 == 1)
+            .map(|(_, t)| t)
             .collect();
-        // 4 MiB live in 1 MiB pieces, every other MiB free: a 2 MiB request
-        // fits the budget but no free block.
         let two = pool
             .empty_f32(&[MIB / 2], Category::Activations, Tag::fixed("two"))
             .unwrap();
+        (odd, two)
+    }
+
+    #[test]
+    fn fragmentation_under_a_budget_costs_host_address_space_not_memory() {
+        let budget = 8 * MIB;
+        let pool = Pool::with_budget(budget);
+        let (odd, two) = fragment(&pool);
         let s = pool.stats();
         assert_eq!((s.live.total(), s.peak_total), (6 * MIB, 8 * MIB));
-        assert_eq!((s.system_allocs, s.reserved), (2, 10 * MIB));
+        // The 2 MiB come from the segment's address space beyond the
+        // budget; two free MiBs' pages went back first (as many as the
+        // request needed), so what the system holds never crossed it.
+        assert_eq!((s.system_allocs, s.mapped), (1, 2 * budget));
+        assert_eq!((s.reserved, s.reserved_peak), (budget, budget));
+        drop((odd, two));
+        pool.empty_cache();
+        assert_eq!(pool.stats().reserved, 0);
+    }
+
+    /// Device memory is committed whole: fragmentation takes a segment past
+    /// the budget (rather than fail a step that fits), and says so.
+    #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+    #[test]
+    fn fragmentation_of_device_memory_goes_over_the_reserve_not_the_budget() {
+        let pool = Pool::on(Device::Meta(Target::Cuda(0)));
+        pool.set_budget(Some(8 * MIB));
+        let (odd, two) = fragment(&pool);
+        let s = pool.stats();
+        assert_eq!(
+            (s.system_allocs, s.reserved, s.mapped),
+            (2, 10 * MIB, 10 * MIB)
+        );
         assert_eq!(s.reserved_peak, 10 * MIB);
         drop((odd, two));
-        // Nothing live: the extra segment can go back.
         pool.empty_cache();
         assert_eq!(pool.stats().reserved, 0);
     }

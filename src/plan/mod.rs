@@ -22,18 +22,20 @@
 mod calibrate;
 mod dp;
 mod resolve;
+mod simulate;
 mod strategy;
 
 pub use calibrate::{TimeModel, stage_forward_seconds};
 pub use resolve::{PlanRequest, Resolved, report, resolve};
+pub use simulate::{Simulation, simulate, simulate_training};
 pub use strategy::{Strategy, segments_plan, stages_plan};
 
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::exec::{BnRollback, LossOptions, Plan, forward_backward, forward_eval};
-use crate::memory::{Category, MemoryStats, Pool, Tag};
+use crate::exec::{Plan, forward_eval};
+use crate::memory::{Category, Pool, Tag};
 use crate::nn::{BnPolicy, Mode, ResNet, ResNetConfig};
-use crate::optim::{GradBuckets, Optimizer, uses_loss_scaler};
+use crate::optim::Optimizer;
 use crate::tensor::DType;
 
 /// Bytes and FLOPs of one stage for one micro-batch.
@@ -320,7 +322,7 @@ fn eval_local_peak(model: &mut ResNet, pool: &Pool, n: usize, size: usize) -> Re
 }
 
 /// What `train::evaluate` allocates for one batch.
-fn eval_batch(model: &mut ResNet, pool: &Pool, n: usize, size: usize) -> Result<()> {
+pub(crate) fn eval_batch(model: &mut ResNet, pool: &Pool, n: usize, size: usize) -> Result<()> {
     let images = pool.empty_f32(
         &[n, size, size, 3],
         Category::Data,
@@ -336,141 +338,17 @@ fn eval_batch(model: &mut ResNet, pool: &Pool, n: usize, size: usize) -> Result<
     Ok(())
 }
 
-/// Runs what a training run allocates — two optimizer steps of one
-/// micro-batch each (the optimizer state appears after the first) and one
-/// evaluation batch — on a shapes-only pool, and returns its statistics:
-/// the predicted peak per category, exactly as the real run will allocate.
-pub fn simulate(
-    config: &ResNetConfig,
-    bn: BnPolicy,
-    optimizer: &Optimizer,
-    plan: &Plan,
-    micro_batch: usize,
-    image_size: usize,
-) -> Result<MemoryStats> {
-    simulate_run(
-        config,
-        bn,
-        optimizer,
-        plan,
-        micro_batch,
-        image_size,
-        true,
-        1,
-    )
-}
-
-/// [`simulate`] for one process of a data-parallel run of `processes`
-/// (more than one: the gradient all-reduce buckets are live from the first
-/// step's end, as `train::dist::GradSync` allocates them).
-#[allow(clippy::too_many_arguments)]
-pub fn simulate_processes(
-    config: &ResNetConfig,
-    bn: BnPolicy,
-    optimizer: &Optimizer,
-    plan: &Plan,
-    micro_batch: usize,
-    image_size: usize,
-    training_only: bool,
-    processes: usize,
-) -> Result<MemoryStats> {
-    simulate_run(
-        config,
-        bn,
-        optimizer,
-        plan,
-        micro_batch,
-        image_size,
-        !training_only,
-        processes,
-    )
-}
-
-/// [`simulate`] without the evaluation batch: what `memfit bench step`
-/// (training steps only) allocates.
-pub fn simulate_training(
-    config: &ResNetConfig,
-    bn: BnPolicy,
-    optimizer: &Optimizer,
-    plan: &Plan,
-    micro_batch: usize,
-    image_size: usize,
-) -> Result<MemoryStats> {
-    simulate_processes(
-        config,
-        bn,
-        optimizer,
-        plan,
-        micro_batch,
-        image_size,
-        true,
-        1,
-    )
-}
-
-#[allow(clippy::too_many_arguments)]
-fn simulate_run(
-    config: &ResNetConfig,
-    bn: BnPolicy,
-    optimizer: &Optimizer,
-    plan: &Plan,
-    micro_batch: usize,
-    image_size: usize,
-    eval: bool,
-    processes: usize,
-) -> Result<MemoryStats> {
-    let pool = Pool::on(Device::Meta(config.target));
-    pool.record_peak_buffers(true);
-    let mut model = ResNet::new(&pool, train_config(config))?;
-    model.set_bn_policy(bn);
-    model.check_image_size(image_size, image_size)?;
-    let mut opt = optimizer.fresh();
-    let labels = vec![0; micro_batch];
-    let mut buckets = None;
-    // As `train::TrainStep`: without a loss scaler the step holds a
-    // roll-back copy of the BN statistics (pool bytes on a GPU) until its
-    // finite checks pass.
-    let mut rollback = BnRollback::default();
-    let rolls_back = !uses_loss_scaler(config.precision);
-    for _ in 0..2 {
-        model.zero_grad();
-        if rolls_back {
-            rollback.save(&pool, &mut model)?;
-        }
-        let images = pool.empty_f32(
-            &[micro_batch, image_size, image_size, 3],
-            Category::Data,
-            Tag::fixed("batch.images"),
-        )?;
-        forward_backward(
-            &mut model,
-            &pool,
-            plan,
-            images,
-            &labels,
-            LossOptions::default(),
-        )?;
-        rollback.release();
-        if processes > 1 && buckets.is_none() {
-            buckets = Some(GradBuckets::new(&pool, model.trainable_count())?);
-        }
-        opt.step(&pool, &mut model)?;
-    }
-    if eval {
-        eval_batch(&mut model, &pool, micro_batch, image_size)?;
-    }
-    drop(buckets);
-    Ok(pool.stats())
-}
-
 /// The DP's plan for `costs` under `budget`, checked by the simulator (the
-/// step as it runs, evaluation included). The cost model composes
-/// per-stage measurements taken on f32 inputs; a whole step can allocate
-/// more (on a GPU under bf16, the f32 copies a replayed stage makes of its
-/// bf16-stored input), so a plan the simulator puts over the budget is
-/// planned again with the DP's cap at its modelled peak less the
-/// overshoot, until one checks out or none is left. The choice's peak is the
-/// simulator's.
+/// step as it runs, evaluation included, its arena shaped by the budget).
+/// The cost model composes per-stage measurements taken on f32 inputs; a
+/// whole step can allocate more (on a GPU under bf16, the f32 copies a
+/// replayed stage makes of its bf16-stored input), and its arena can hold
+/// more than its live bytes (fragmentation: a large block for which no free
+/// block is large enough takes a segment beyond the budget). So a plan the
+/// simulator puts over the budget, live or reserved, is planned again with
+/// the DP's cap at its modelled peak less the overshoot, until one checks
+/// out or none is left, and then the uniform K-segment plans are tried.
+/// The choice's peak is the simulator's.
 fn checked_best_plan(
     costs: &CostModel,
     config: &ResNetConfig,
@@ -478,32 +356,97 @@ fn checked_best_plan(
     optimizer: &Optimizer,
     budget: usize,
 ) -> Result<Option<Choice>> {
+    // The simulator's peak of a plan, if the run fits the budget with it.
+    let fitting_peak = |plan: &Plan| -> Result<std::result::Result<usize, usize>> {
+        let simulated = Simulation {
+            budget: Some(budget),
+            ..Simulation::new(
+                config,
+                bn,
+                optimizer,
+                plan,
+                costs.micro_batch,
+                costs.image_size,
+            )
+        }
+        .run()?;
+        let needs = simulated.peak_total.max(simulated.reserved_peak);
+        Ok(if needs <= budget {
+            Ok(simulated.peak_total)
+        } else {
+            Err(needs)
+        })
+    };
     let mut cap = budget;
     // Each round lowers the cap below the rejected plan's modelled peak,
     // so the DP must choose another plan (more recomputation) or none.
     for _ in 0..costs.stages.len() * 2 + 2 {
         let Some(mut choice) = costs.best_plan(cap) else {
-            return Ok(None);
+            break;
         };
-        let peak = simulate(
+        match fitting_peak(&choice.plan)? {
+            Ok(peak) => {
+                choice.peak = peak;
+                return Ok(Some(choice));
+            }
+            Err(needs) => match choice.peak.checked_sub((needs - budget).max(1)) {
+                Some(lower) => cap = lower,
+                None => break,
+            },
+        }
+    }
+    // Fragmentation does not follow the modelled peak: where every plan
+    // the DP offered fragments past the budget, a uniform K-segment plan
+    // may still fit (its blocks come and go in another order). The fastest
+    // that fits, so auto is never behind `--checkpoint segments:K`.
+    let mut best: Option<Choice> = None;
+    for k in 1..=costs.stages.len() {
+        let plan = segments_plan(costs, k);
+        let recompute_seconds = costs.recompute_seconds(&plan);
+        if best
+            .as_ref()
+            .is_some_and(|b| b.recompute_seconds <= recompute_seconds)
+        {
+            continue;
+        }
+        if let Ok(peak) = fitting_peak(&plan)? {
+            best = Some(Choice {
+                plan,
+                micro_batch: costs.micro_batch,
+                peak,
+                recompute_seconds,
+            });
+        }
+    }
+    Ok(best)
+}
+
+/// The budget the least-memory plan of `costs` needs: its modelled peak,
+/// or more where the simulator says the run holds more (its whole step, or
+/// the pages its blocks round up to).
+fn smallest_need(
+    costs: &CostModel,
+    config: &ResNetConfig,
+    bn: BnPolicy,
+    optimizer: &Optimizer,
+) -> Result<usize> {
+    let least = costs.min_peak();
+    let Some(choice) = costs.best_plan(least) else {
+        return Ok(least);
+    };
+    let simulated = Simulation {
+        budget: Some(least),
+        ..Simulation::new(
             config,
             bn,
             optimizer,
             &choice.plan,
             costs.micro_batch,
             costs.image_size,
-        )?
-        .peak_total;
-        if peak <= budget {
-            choice.peak = peak;
-            return Ok(Some(choice));
-        }
-        let Some(lower) = choice.peak.checked_sub((peak - budget).max(1)) else {
-            return Ok(None);
-        };
-        cap = lower;
+        )
     }
-    Ok(None)
+    .run()?;
+    Ok(least.max(simulated.peak_total).max(simulated.reserved_peak))
 }
 
 /// Micro-batch sizes worth trying for an effective batch: the batch itself
@@ -562,7 +505,7 @@ pub fn auto_plan(
     let model = smallest.ok_or_else(|| Error::invalid("plan", "no micro-batch candidates"))?;
     Err(Error::BudgetTooSmall {
         budget,
-        needed: model.min_peak(),
+        needed: smallest_need(&model, config, bn, optimizer)?,
         micro_batch: model.micro_batch,
         persistent: model.persistent,
     })

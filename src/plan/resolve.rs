@@ -10,8 +10,7 @@ use crate::memory::{Category, MemoryStats, Pool, fmt_bytes};
 use crate::nn::{BnPolicy, Precision, ResNet, ResNetConfig};
 use crate::optim::{GradBuckets, Optimizer};
 use crate::plan::{
-    CostModel, Strategy, TimeModel, auto_plan, segments_plan, simulate_processes, stages_plan,
-    train_config,
+    CostModel, Simulation, Strategy, TimeModel, auto_plan, segments_plan, stages_plan, train_config,
 };
 
 /// What a run asks of the planner.
@@ -163,16 +162,12 @@ fn resolve_for(req: &PlanRequest<'_>, config: &ResNetConfig) -> Result<Resolved>
             (plan, micro, costs)
         }
     };
-    let predicted = simulate_processes(
-        config,
-        req.bn,
-        req.optimizer,
-        &plan,
-        micro,
-        req.image_size,
-        false,
-        req.processes,
-    )?;
+    let predicted = Simulation {
+        processes: req.processes,
+        budget: req.budget,
+        ..Simulation::new(config, req.bn, req.optimizer, &plan, micro, req.image_size)
+    }
+    .run()?;
     if let Some(budget) = req.budget
         && predicted.peak_total > budget
     {
@@ -181,6 +176,19 @@ fn resolve_for(req: &PlanRequest<'_>, config: &ResNetConfig) -> Result<Resolved>
             format!(
                 "plan {plan} at micro-batch {micro} needs {} but the budget is {} (try --checkpoint auto, a smaller --micro-batch, or a larger budget)",
                 fmt_bytes(predicted.peak_total),
+                fmt_bytes(budget)
+            ),
+        ));
+    }
+    if let Some(budget) = req.budget
+        && predicted.reserved_peak > budget
+    {
+        return Err(Error::invalid(
+            "--memory-budget",
+            format!(
+                "plan {plan} at micro-batch {micro} needs {} live, but its memory fragments: a buffer finds no free block large enough, and the pool would hold {} from the system, over the budget of {} (try --checkpoint auto, a smaller --micro-batch, or a larger budget)",
+                fmt_bytes(predicted.peak_total),
+                fmt_bytes(predicted.reserved_peak),
                 fmt_bytes(budget)
             ),
         ));
@@ -260,6 +268,12 @@ pub fn report(r: &Resolved, batch: usize) -> String {
         s,
         "predicted peak {} (per category at the peak / own peak):",
         fmt_bytes(p.peak_total)
+    );
+    let _ = writeln!(
+        s,
+        "  {:<12} {:>12}  (segments held from the system, free blocks included)",
+        "reserved",
+        fmt_bytes(p.reserved_peak)
     );
     for cat in Category::ALL {
         let _ = writeln!(
