@@ -36,6 +36,18 @@ pub enum Error {
         micro_batch: usize,
         persistent: usize,
     },
+    /// Plans whose live bytes fit, but whose blocks fragment device memory
+    /// past the budget (no free block for a large buffer).
+    #[error(
+        "memory budget {} holds the least-memory plan's {} live bytes at micro-batch {micro_batch}, but not its fragmentation: a large buffer would find no free block and the pool would go past the budget (try a smaller --micro-batch or a larger budget)",
+        crate::accounting::fmt_bytes(*budget),
+        crate::accounting::fmt_bytes(*live)
+    )]
+    Fragmented {
+        budget: usize,
+        live: usize,
+        micro_batch: usize,
+    },
     /// The system refused host memory (an `mmap` of a pool segment).
     #[error(
         "the system refused {} of host memory for the pool",

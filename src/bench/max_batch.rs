@@ -94,7 +94,11 @@ pub fn largest_batch(
         };
         match resolve(&request) {
             Ok(r) => Ok(Some((r.predicted.peak_total, r.predicted.reserved_peak))),
-            Err(Error::BudgetTooSmall { .. } | Error::InvalidArgument { .. }) => Ok(None),
+            Err(
+                Error::BudgetTooSmall { .. }
+                | Error::Fragmented { .. }
+                | Error::InvalidArgument { .. },
+            ) => Ok(None),
             Err(e) => Err(e),
         }
     };

@@ -60,6 +60,8 @@ pub struct StepResult {
     pub median_seconds: f64,
     pub measured: MemoryStats,
     pub predicted: usize,
+    /// The simulation's reserved peak (what the system holds for the pool).
+    pub predicted_reserved: usize,
     /// Processes of the run (1 without MPI).
     pub processes: usize,
     /// Median seconds per step rank 0 spent summing gradients, with more
@@ -171,14 +173,14 @@ pub fn measure_steps_on(
     let (plan, micro) = (resolved.plan.clone(), resolved.micro_batch);
     // The bench runs training steps only: predict those, without evaluation.
     let sgd = Optimizer::Sgd(Sgd::new(0.1, 0.9, 0.0, false));
-    let predicted = Simulation {
+    let simulated = Simulation {
         training_only: true,
         processes,
         budget,
         ..Simulation::new(&model.config, BnPolicy::Batch, &sgd, &plan, micro, s)
     }
-    .run()?
-    .peak_total;
+    .run()?;
+    let predicted = simulated.peak_total;
     outln!(
         out,
         "plan {plan} at micro-batch {micro}, {}{}; predicted peak {}",
@@ -336,6 +338,7 @@ pub fn measure_steps_on(
         median_seconds: median,
         measured: pool.stats(),
         predicted,
+        predicted_reserved: simulated.reserved_peak,
         processes,
         allreduce_seconds: sync,
     })

@@ -871,6 +871,11 @@ fn bench_step(a: StepArgs, comm: Rc<dyn Collective>) -> Result<()> {
         fmt_bytes(r.predicted),
         fmt_bytes(r.measured.peak_total)
     );
+    outln!(
+        "reserved peak (held from the system): predicted {} vs measured {}",
+        fmt_bytes(r.predicted_reserved),
+        fmt_bytes(r.measured.reserved_peak)
+    );
     Ok(())
 }
 

@@ -503,9 +503,19 @@ pub fn auto_plan(
         return Ok((choice, costs));
     }
     let model = smallest.ok_or_else(|| Error::invalid("plan", "no micro-batch candidates"))?;
+    let needed = smallest_need(&model, config, bn, optimizer)?;
+    if needed <= budget {
+        // The live bytes fit, but every plan tried scatters its blocks so
+        // that the pool would hold more than the budget.
+        return Err(Error::Fragmented {
+            budget,
+            live: model.min_peak(),
+            micro_batch: model.micro_batch,
+        });
+    }
     Err(Error::BudgetTooSmall {
         budget,
-        needed: smallest_need(&model, config, bn, optimizer)?,
+        needed,
         micro_batch: model.micro_batch,
         persistent: model.persistent,
     })
