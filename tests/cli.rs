@@ -285,10 +285,7 @@ fn train_with_auto_plan_meets_its_prediction_and_budget() {
     assert!(line.contains("(+0.00%)"), "{line}");
     // The pool holds from the system what the simulation said, within the
     // budget.
-    let (predicted, measured) = line
-        .split_once(", reserved ")
-        .and_then(|(_, r)| r.split_once(" vs "))
-        .unwrap_or_else(|| panic!("no reserved figures: {line}"));
+    let (predicted, measured) = common::reserved_figures(line);
     assert_eq!(predicted, measured, "{line}");
     let reserved_mib: f64 = measured.trim_end_matches(" MiB").parse().unwrap();
     assert!(reserved_mib <= 9.0, "{line}");

@@ -84,10 +84,7 @@ fn train(
         .unwrap_or_else(|| panic!("{name}: no prediction line\n{out}"));
     assert!(line.contains("(+0.00%)"), "{name}: {line}");
     // And the memory the pool holds from the device, fragmentation included.
-    let (predicted, measured) = line
-        .split_once(", reserved ")
-        .and_then(|(_, r)| r.split_once(" vs "))
-        .unwrap_or_else(|| panic!("{name}: no reserved figures: {line}"));
+    let (predicted, measured) = common::reserved_figures(line);
     assert_eq!(predicted, measured, "{name}: {line}");
     let text = std::fs::read_to_string(&metrics).unwrap();
     let steps = text

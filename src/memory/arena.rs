@@ -53,6 +53,23 @@ struct PageSet {
     bytes: usize,
 }
 
+/// The pages a block at `offset` of `bytes` touches (outward to pages).
+fn pages_over(offset: usize, bytes: usize) -> (usize, usize) {
+    (
+        offset / SEGMENT_ALIGN * SEGMENT_ALIGN,
+        (offset + bytes).next_multiple_of(SEGMENT_ALIGN),
+    )
+}
+
+/// The whole pages inside a block at `offset` of `bytes` (inward): those
+/// no neighbour shares.
+fn pages_inside(offset: usize, bytes: usize) -> (usize, usize) {
+    (
+        offset.next_multiple_of(SEGMENT_ALIGN),
+        (offset + bytes) / SEGMENT_ALIGN * SEGMENT_ALIGN,
+    )
+}
+
 impl PageSet {
     /// Adds `start..end`; returns the bytes that were not in the set.
     fn insert(&mut self, mut start: usize, mut end: usize) -> usize {
@@ -74,13 +91,18 @@ impl PageSet {
         self.bytes - before
     }
 
-    /// Bytes of the set inside `start..end`.
-    fn count(&self, start: usize, end: usize) -> usize {
-        let first = self
-            .ranges
+    /// Where a scan of the ranges meeting `start..` begins: the start of
+    /// the range holding `start`, else `start`.
+    fn scan_from(&self, start: usize) -> usize {
+        self.ranges
             .range(..start)
             .next_back()
-            .map_or(start, |(&s, _)| s);
+            .map_or(start, |(&s, _)| s)
+    }
+
+    /// Bytes of the set inside `start..end`.
+    fn count(&self, start: usize, end: usize) -> usize {
+        let first = self.scan_from(start);
         self.ranges
             .range(first..end)
             .map(|(&s, &e)| e.min(end).saturating_sub(s.max(start)))
@@ -90,11 +112,7 @@ impl PageSet {
     /// Takes `start..end` out of the set; returns the bytes removed.
     fn remove(&mut self, start: usize, end: usize) -> usize {
         let before = self.bytes;
-        let first = self
-            .ranges
-            .range(..start)
-            .next_back()
-            .map_or(start, |(&s, _)| s);
+        let first = self.scan_from(start);
         let hit: Vec<(usize, usize)> = self
             .ranges
             .range(first..end)
@@ -269,8 +287,8 @@ pub(crate) struct Arena {
     /// Free blocks as (bytes, segment, offset): the first entry at or above
     /// a size is the best fit, ties broken by address so runs repeat.
     free: BTreeSet<(usize, usize, usize)>,
-    /// Bytes of all segments.
-    reserved: usize,
+    /// Bytes of all segments (address space).
+    mapped: usize,
     /// Bytes of free blocks.
     free_bytes: usize,
     /// Bytes of the segments' held pages (`Segment::held`).
@@ -291,8 +309,8 @@ impl Arena {
         }
     }
 
-    pub(crate) fn reserved(&self) -> usize {
-        self.reserved
+    pub(crate) fn mapped(&self) -> usize {
+        self.mapped
     }
 
     /// See the field: what the system holds for the arena, at most.
@@ -359,13 +377,8 @@ impl Arena {
         block.bytes = used;
         block.free = false;
         if self.source.commits_on_touch() {
-            let (start, end) = (
-                offset / SEGMENT_ALIGN * SEGMENT_ALIGN,
-                (offset + used)
-                    .next_multiple_of(SEGMENT_ALIGN)
-                    .min(seg.bytes),
-            );
-            self.resident += seg.held.insert(start, end);
+            let (start, end) = pages_over(offset, used);
+            self.resident += seg.held.insert(start, end.min(seg.bytes));
         }
         Some(Place {
             segment,
@@ -451,7 +464,7 @@ impl Arena {
         });
         self.free.insert((bytes, index, 0));
         self.free_bytes += bytes;
-        self.reserved += bytes;
+        self.mapped += bytes;
         self.resident += resident;
         Ok(())
     }
@@ -471,8 +484,7 @@ impl Arena {
         for (i, seg) in self.segments.iter().enumerate() {
             let Some(seg) = seg else { continue };
             for (&off, b) in seg.blocks.iter().filter(|(_, b)| b.free) {
-                let start = off.next_multiple_of(SEGMENT_ALIGN);
-                let end = (off + b.bytes) / SEGMENT_ALIGN * SEGMENT_ALIGN;
+                let (start, end) = pages_inside(off, b.bytes);
                 if start < end {
                     let held = seg.held.count(start, end);
                     if held > 0 {
@@ -519,7 +531,7 @@ impl Arena {
             }
             self.free.remove(&(bytes, i, 0));
             self.free_bytes -= bytes;
-            self.reserved -= bytes;
+            self.mapped -= bytes;
             let seg = self.segments[i].take(); // Segment::drop frees the memory
             self.resident -= seg.map_or(0, |s| s.held.bytes);
             released += bytes;
@@ -537,10 +549,10 @@ mod tests {
     /// byte counters agree.
     fn check(a: &Arena) {
         let mut free = BTreeSet::new();
-        let mut reserved = 0;
+        let mut mapped = 0;
         for (i, s) in a.segments.iter().enumerate() {
             let Some(s) = s else { continue };
-            reserved += s.bytes;
+            mapped += s.bytes;
             let mut at = 0;
             let mut prev_free = false;
             for (&off, b) in &s.blocks {
@@ -556,7 +568,7 @@ mod tests {
         }
         assert_eq!(free, a.free);
         assert_eq!(a.free_bytes, free.iter().map(|f| f.0).sum::<usize>());
-        assert_eq!(a.reserved, reserved);
+        assert_eq!(a.mapped, mapped);
         let mut resident = 0;
         for s in a.segments.iter().flatten() {
             let mut end = 0;
@@ -611,7 +623,7 @@ mod tests {
         assert_eq!(a.largest_free(), 64 * K, "all merged back");
         assert_eq!(a.release_unused(usize::MAX), 64 * K);
         check(&a);
-        assert_eq!(a.reserved(), 0);
+        assert_eq!(a.mapped(), 0);
     }
 
     #[test]
@@ -636,7 +648,7 @@ mod tests {
         a.add_segment(4 * K).unwrap();
         let held = a.take(8 * K).unwrap();
         assert_eq!(a.release_unused(K), 2 * K);
-        assert_eq!(a.reserved(), 12 * K);
+        assert_eq!(a.mapped(), 12 * K);
         assert_eq!(a.release_unused(usize::MAX), 4 * K, "the held one stays");
         check(&a);
         a.give(held);
@@ -733,7 +745,7 @@ mod tests {
             a.give(p);
         }
         check(&a);
-        assert_eq!(a.free_bytes(), a.reserved());
+        assert_eq!(a.free_bytes(), a.mapped());
         a.forget_free_pages(0);
         check(&a);
         assert_eq!(a.resident(), 0, "whole free segments go back whole");

@@ -166,12 +166,15 @@ impl PoolState {
                 // Host pages cost memory only where touched: the segment
                 // is address space beyond the budget, for the blocks that
                 // fragmentation scatters (the budget bounds the pages).
-                let space = if on_touch {
-                    budget.saturating_mul(HOST_SPACE_PER_BUDGET)
+                let (space, most) = if on_touch {
+                    (
+                        budget.saturating_mul(HOST_SPACE_PER_BUDGET),
+                        MAX_HOST_SEGMENT_BYTES,
+                    )
                 } else {
-                    budget
+                    (budget, MAX_SEGMENT_BYTES)
                 };
-                let room = |a: &Arena| space.saturating_sub(a.reserved());
+                let room = |a: &Arena| space.saturating_sub(a.mapped());
                 if room(&self.arena) < bytes {
                     // Unused segments (say, from before the budget was
                     // set) make way for one that can hold the request.
@@ -183,11 +186,6 @@ impl PoolState {
                     // All the room the budget leaves, in one segment: every
                     // later block is carved from it and its free neighbours
                     // merge, so the step settles into it.
-                    let most = if on_touch {
-                        MAX_HOST_SEGMENT_BYTES
-                    } else {
-                        MAX_SEGMENT_BYTES
-                    };
                     (room / arena::BLOCK_ALIGN * arena::BLOCK_ALIGN).min(most.max(bytes))
                 } else {
                     // The request fits the budget's live bytes, but no free
@@ -366,7 +364,7 @@ impl Pool {
             largest_at_peak: s.largest_at_peak.clone(),
             reserved: s.arena.resident(),
             reserved_peak: s.reserved_peak,
-            mapped: s.arena.reserved(),
+            mapped: s.arena.mapped(),
             system_allocs: s.system_allocs,
             system_alloc_bytes: s.system_alloc_bytes,
             reuses: s.reuses,

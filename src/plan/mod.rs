@@ -358,18 +358,7 @@ fn checked_best_plan(
 ) -> Result<Option<Choice>> {
     // The simulator's peak of a plan, if the run fits the budget with it.
     let fitting_peak = |plan: &Plan| -> Result<std::result::Result<usize, usize>> {
-        let simulated = Simulation {
-            budget: Some(budget),
-            ..Simulation::new(
-                config,
-                bn,
-                optimizer,
-                plan,
-                costs.micro_batch,
-                costs.image_size,
-            )
-        }
-        .run()?;
+        let simulated = simulate_under(costs, config, bn, optimizer, plan, budget)?;
         let needs = simulated.peak_total.max(simulated.reserved_peak);
         Ok(if needs <= budget {
             Ok(simulated.peak_total)
@@ -421,6 +410,30 @@ fn checked_best_plan(
     Ok(best)
 }
 
+/// The run of `plan` at `costs`' micro-batch and image size, its arena
+/// shaped by `budget`.
+fn simulate_under(
+    costs: &CostModel,
+    config: &ResNetConfig,
+    bn: BnPolicy,
+    optimizer: &Optimizer,
+    plan: &Plan,
+    budget: usize,
+) -> Result<crate::memory::MemoryStats> {
+    Simulation {
+        budget: Some(budget),
+        ..Simulation::new(
+            config,
+            bn,
+            optimizer,
+            plan,
+            costs.micro_batch,
+            costs.image_size,
+        )
+    }
+    .run()
+}
+
 /// The budget the least-memory plan of `costs` needs: its modelled peak,
 /// or more where the simulator says the run holds more (its whole step, or
 /// the pages its blocks round up to).
@@ -434,18 +447,7 @@ fn smallest_need(
     let Some(choice) = costs.best_plan(least) else {
         return Ok(least);
     };
-    let simulated = Simulation {
-        budget: Some(least),
-        ..Simulation::new(
-            config,
-            bn,
-            optimizer,
-            &choice.plan,
-            costs.micro_batch,
-            costs.image_size,
-        )
-    }
-    .run()?;
+    let simulated = simulate_under(costs, config, bn, optimizer, &choice.plan, least)?;
     Ok(least.max(simulated.peak_total).max(simulated.reserved_peak))
 }
 

@@ -271,7 +271,7 @@ pub fn report(r: &Resolved, batch: usize) -> String {
     );
     let _ = writeln!(
         s,
-        "  {:<12} {:>12}  (segments held from the system, free blocks included)",
+        "  {:<12} {:>12}  (held from the system, free blocks' pages included)",
         "reserved",
         fmt_bytes(p.reserved_peak)
     );

@@ -121,6 +121,15 @@ pub fn memfit(args: &[&str]) -> (i32, String, String) {
     memfit_env(args, &[])
 }
 
+/// The predicted and measured reserved figures of `train`'s line
+/// "predicted peak A vs measured B (+x%), reserved C vs D".
+#[track_caller]
+pub fn reserved_figures(line: &str) -> (&str, &str) {
+    line.split_once(", reserved ")
+        .and_then(|(_, r)| r.split_once(" vs "))
+        .unwrap_or_else(|| panic!("no reserved figures: {line}"))
+}
+
 /// No panic message or backtrace hint reached the user.
 #[track_caller]
 pub fn assert_no_panic(what: &str, err: &str) {
