@@ -387,6 +387,52 @@ pub struct Core {
     pub stream: Arc<CudaStream>,
     /// The page-locked buffers uploads go through ([`Core::upload`]).
     staging: Mutex<Staging>,
+    /// The smallest size and alignment of a mapping of device memory
+    /// (`cuMemGetAllocationGranularity`; 2 MiB on current cards).
+    pub granularity: usize,
+}
+
+/// Pinned memory of device `ordinal`, as `cuMemCreate` asks.
+fn device_memory(ordinal: u32) -> drv_sys::CUmemAllocationProp {
+    // SAFETY: a plain C struct of integers and one pointer; all zeros is
+    // its documented default.
+    let mut prop: drv_sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    prop.type_ = drv_sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type_ = drv_sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = ordinal as i32;
+    prop
+}
+
+/// The device's mapping granularity, or why its memory cannot be mapped
+/// page by page (no virtual memory management: the pool needs it).
+fn mapping_granularity(ctx: &CudaContext, ordinal: u32) -> std::result::Result<usize, CallError> {
+    let vmm = ctx
+        .attribute(
+            drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED,
+        )
+        .map_err(call_err("cuDeviceGetAttribute"))?;
+    if vmm == 0 {
+        return Err(CallError {
+            op: "cuMemCreate",
+            reason: format!(
+                "device {ordinal} does not support virtual memory management, which memfit's \
+                 pool maps device memory with"
+            ),
+        });
+    }
+    let prop = device_memory(ordinal);
+    let mut granularity = 0usize;
+    // SAFETY: `prop` is a valid description; writes one usize.
+    unsafe {
+        drv_sys::cuMemGetAllocationGranularity(
+            &mut granularity,
+            &prop,
+            drv_sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+        )
+    }
+    .result()
+    .map_err(call_err("cuMemGetAllocationGranularity"))?;
+    Ok(granularity.max(1))
 }
 
 /// Page-locked host buffers for uploads, used in turn: an upload copies
@@ -461,11 +507,20 @@ pub fn core(ordinal: u32) -> std::result::Result<Arc<Core>, StartError> {
     let stream = ctx
         .new_stream()
         .map_err(|e| StartError::Call(call_err("cuStreamCreate")(e)))?;
+    let granularity = catch_unwind(AssertUnwindSafe(|| mapping_granularity(&ctx, ordinal)))
+        .unwrap_or_else(|_| {
+            Err(CallError {
+                op: "cuMemGetAllocationGranularity",
+                reason: "the driver lacks the virtual memory calls".into(),
+            })
+        })
+        .map_err(StartError::Call)?;
     let core = Arc::new(Core {
         ordinal,
         ctx,
         stream,
         staging: Mutex::new(Staging::default()),
+        granularity,
     });
     map.insert(ordinal, core.clone());
     Ok(core)
@@ -486,24 +541,93 @@ impl Core {
             .map_err(call_err("cuCtxSetCurrent"))
     }
 
-    /// `bytes` of device memory from `cuMemAlloc` (not the driver's async
-    /// pool, so the pool's tracked bytes are what the card holds), zeroed
-    /// by a memset queued on the stream.
-    pub fn alloc_zeroed(&self, bytes: usize) -> std::result::Result<u64, CallError> {
+    /// `bytes` of device addresses (a multiple of [`Core::granularity`])
+    /// with no memory behind them (`cuMemAddressReserve`): memory is mapped
+    /// into them page by page ([`Core::map_zeroed`]), as PyTorch's
+    /// expandable segments do, so a pool's address space can be larger
+    /// than the memory it holds.
+    pub fn reserve_addresses(&self, bytes: usize) -> std::result::Result<u64, CallError> {
         self.bind()?;
-        // SAFETY: a plain allocation; the context is current.
-        let ptr = unsafe { drv::malloc_sync(bytes) }.map_err(call_err("cuMemAlloc"))?;
-        self.memset_zero(ptr, bytes)?;
-        Ok(ptr)
+        let mut at: drv_sys::CUdeviceptr = 0;
+        // SAFETY: a plain reservation; the context is current.
+        unsafe { drv_sys::cuMemAddressReserve(&mut at, bytes, self.granularity, 0, 0) }
+            .result()
+            .map_err(call_err("cuMemAddressReserve"))?;
+        Ok(at)
     }
 
-    /// Frees memory from [`Core::alloc_zeroed`] once the stream is idle
-    /// (queued kernels may still use it).
-    pub fn free(&self, ptr: u64) -> std::result::Result<(), CallError> {
+    /// Gives back addresses from [`Core::reserve_addresses`], nothing
+    /// mapped in them any more.
+    pub fn free_addresses(&self, at: u64, bytes: usize) -> std::result::Result<(), CallError> {
+        self.bind()?;
+        // SAFETY: exactly one reservation, every page unmapped.
+        unsafe { drv_sys::cuMemAddressFree(at, bytes) }
+            .result()
+            .map_err(call_err("cuMemAddressFree"))
+    }
+
+    /// Backs `bytes` of reserved addresses at `at` with fresh device memory
+    /// (`cuMemCreate`, `cuMemMap`, read-write access for this device),
+    /// zeroed by a memset queued on the stream. Returns the memory's
+    /// handle, for [`Core::unmap`]. Out of memory is `CUDA_ERROR_OUT_OF_MEMORY`
+    /// from `cuMemCreate`.
+    pub fn map_zeroed(&self, at: u64, bytes: usize) -> std::result::Result<u64, CallError> {
+        self.bind()?;
+        let prop = device_memory(self.ordinal);
+        let mut handle: drv_sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: `prop` is a valid description; the context is current.
+        unsafe { drv_sys::cuMemCreate(&mut handle, bytes, &prop, 0) }
+            .result()
+            .map_err(call_err("cuMemCreate"))?;
+        // SAFETY: `at..at + bytes` lies in a reservation of ours where
+        // nothing is mapped (the arena maps each page once).
+        let mapped = unsafe { drv_sys::cuMemMap(at, bytes, 0, handle, 0) }
+            .result()
+            .map_err(call_err("cuMemMap"));
+        if let Err(e) = mapped {
+            // SAFETY: the handle is ours and mapped nowhere.
+            let _ = unsafe { drv_sys::cuMemRelease(handle) };
+            return Err(e);
+        }
+        let access = drv_sys::CUmemAccessDesc {
+            location: prop.location,
+            flags: drv_sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: the range was mapped just above.
+        let granted = unsafe { drv_sys::cuMemSetAccess(at, bytes, &access, 1) }
+            .result()
+            .map_err(call_err("cuMemSetAccess"))
+            .and_then(|()| self.memset_zero(at, bytes));
+        if let Err(e) = granted {
+            // SAFETY: mapped above, used by nothing yet.
+            let _ = unsafe { drv_sys::cuMemUnmap(at, bytes) };
+            let _ = unsafe { drv_sys::cuMemRelease(handle) };
+            return Err(e);
+        }
+        Ok(handle)
+    }
+
+    /// Gives back the memory of pages from [`Core::map_zeroed`], as (address,
+    /// bytes, handle), once the stream is idle (queued kernels may still
+    /// use them; unmapping does not wait). The addresses stay reserved.
+    pub fn unmap(&self, pages: &[(u64, usize, u64)]) -> std::result::Result<(), CallError> {
+        if pages.is_empty() {
+            return Ok(());
+        }
         self.bind()?;
         self.synchronize()?;
-        // SAFETY: `ptr` came from cuMemAlloc and nothing uses it any more.
-        unsafe { drv::free_sync(ptr) }.map_err(call_err("cuMemFree"))
+        for &(at, bytes, handle) in pages {
+            // SAFETY: mapped by map_zeroed with this size and handle; the
+            // stream is idle and no block in use covers them.
+            unsafe { drv_sys::cuMemUnmap(at, bytes) }
+                .result()
+                .map_err(call_err("cuMemUnmap"))?;
+            // SAFETY: the handle is ours, now mapped nowhere.
+            unsafe { drv_sys::cuMemRelease(handle) }
+                .result()
+                .map_err(call_err("cuMemRelease"))?;
+        }
+        Ok(())
     }
 
     /// Zeroes `bytes` at `ptr`, queued on the stream.

@@ -17,12 +17,21 @@
 //! out is initialised (old contents of whatever type, all valid bit
 //! patterns for the element types here).
 //!
-//! Host segments are anonymous `mmap`s: address space reserved, pages
-//! committed (zeroed by the kernel) on first touch. A budget-sized segment
-//! therefore costs resident memory only for the bytes the step actually
-//! uses, so the process's RSS follows the tracked peak, not the budget
-//! (`alloc_zeroed` with page alignment memsets the whole segment: a 4 GiB
-//! budget made a 159 MiB run 4 GiB resident).
+//! A segment is address space; memory backs it page by page, only where a
+//! block was handed out, and a free block's pages can go back to the system
+//! while the segment stays. So fragmentation costs address space, not
+//! memory, and what the pool holds is its pages (`resident`).
+//! - Host segments are anonymous `mmap`s: pages committed (zeroed by the
+//!   kernel) on first touch, given back with `madvise(MADV_DONTNEED)`. A
+//!   budget-sized segment costs resident memory only for the bytes the step
+//!   uses (`alloc_zeroed` with page alignment memsets the whole segment: a
+//!   4 GiB budget made a 159 MiB run 4 GiB resident).
+//! - Device segments are reserved device addresses (`cuMemAddressReserve`)
+//!   with memory mapped into them in [`DEVICE_PAGE`]s when a block is
+//!   handed out (`cuMemCreate` + `cuMemMap`, zeroed on the stream), unmapped
+//!   when given back: PyTorch's expandable segments. With whole `cuMemAlloc`
+//!   segments a step that fragments holds more than its budget (ResNet-50
+//!   bf16 on a 3.5 GiB budget: 4.94 GiB held for 3.58 GiB live).
 
 #[cfg(not(unix))]
 use std::alloc::{Layout, alloc_zeroed, dealloc};
@@ -32,8 +41,13 @@ use std::ptr::NonNull;
 /// Block sizes and offsets are multiples of this (a cache line; every
 /// element type's alignment divides it).
 pub(crate) const BLOCK_ALIGN: usize = 64;
-/// Segment base alignment (a page).
-const SEGMENT_ALIGN: usize = 4096;
+/// A host page: the unit host memory is held and given back in.
+pub(crate) const HOST_PAGE: usize = 4096;
+/// The unit device memory is mapped and unmapped in (each page its own
+/// `cuMemCreate`). 2 MiB is the mapping granularity of current NVIDIA cards
+/// (a card whose granularity does not divide it is refused), and PyTorch's
+/// expandable segments' page for small blocks.
+pub(crate) const DEVICE_PAGE: usize = 2 << 20;
 /// A remainder smaller than this stays with the block it was cut from
 /// instead of becoming a free block of its own: slivers only fragment.
 const MIN_SPLIT: usize = 4096;
@@ -53,20 +67,21 @@ struct PageSet {
     bytes: usize,
 }
 
-/// The pages a block at `offset` of `bytes` touches (outward to pages).
-fn pages_over(offset: usize, bytes: usize) -> (usize, usize) {
+/// The pages of `page` bytes a block at `offset` of `bytes` touches
+/// (outward to pages).
+fn pages_over(offset: usize, bytes: usize, page: usize) -> (usize, usize) {
     (
-        offset / SEGMENT_ALIGN * SEGMENT_ALIGN,
-        (offset + bytes).next_multiple_of(SEGMENT_ALIGN),
+        offset / page * page,
+        (offset + bytes).next_multiple_of(page),
     )
 }
 
 /// The whole pages inside a block at `offset` of `bytes` (inward): those
 /// no neighbour shares.
-fn pages_inside(offset: usize, bytes: usize) -> (usize, usize) {
+fn pages_inside(offset: usize, bytes: usize, page: usize) -> (usize, usize) {
     (
-        offset.next_multiple_of(SEGMENT_ALIGN),
-        (offset + bytes) / SEGMENT_ALIGN * SEGMENT_ALIGN,
+        offset.next_multiple_of(page),
+        (offset + bytes) / page * page,
     )
 }
 
@@ -109,6 +124,23 @@ impl PageSet {
             .sum()
     }
 
+    /// The parts of `start..end` not in the set, in order.
+    #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+    fn gaps(&self, start: usize, end: usize) -> Vec<(usize, usize)> {
+        let mut out = Vec::new();
+        let mut at = start;
+        for (&s, &e) in self.ranges.range(self.scan_from(start)..end) {
+            if s > at {
+                out.push((at, s));
+            }
+            at = at.max(e);
+        }
+        if at < end {
+            out.push((at, end));
+        }
+        out
+    }
+
     /// Takes `start..end` out of the set; returns the bytes removed.
     fn remove(&mut self, start: usize, end: usize) -> usize {
         let before = self.bytes;
@@ -141,28 +173,28 @@ pub(crate) enum Source {
     /// Host pages (an anonymous `mmap`, committed on first touch).
     #[default]
     Host,
-    /// Device memory of CUDA device `n` (`cuMemAlloc`, zeroed by a memset
-    /// on the device's stream). The segment's base is the device address.
+    /// Device memory of CUDA device `n`: reserved addresses, [`DEVICE_PAGE`]s
+    /// mapped into them (zeroed by a memset on the device's stream). The
+    /// segment's base is the device address.
     #[cfg(any(feature = "cuda", feature = "cuda-12"))]
     Cuda(u32),
     /// No memory: the meta device's simulation. Blocks are laid out exactly
     /// as a real source's would be, so a simulated step predicts the
     /// reserved and resident bytes (fragmentation included), not only the
-    /// live ones. `on_touch`: as host pages (the simulation of a CPU), else
-    /// as device memory.
-    Meta { on_touch: bool },
+    /// live ones. `page`: [`HOST_PAGE`] (the simulation of a CPU) or
+    /// [`DEVICE_PAGE`] (of a GPU).
+    Meta { page: usize },
 }
 
 impl Source {
-    /// Whether the system commits a segment's pages only as they are
-    /// touched, and takes them back when given (`madvise`): host pages.
-    /// Device memory is committed whole when the segment is made.
-    fn commits_on_touch(self) -> bool {
+    /// The unit memory is held and given back in, and segments are
+    /// sized in.
+    fn page(self) -> usize {
         match self {
-            Source::Host => true,
-            Source::Meta { on_touch } => on_touch,
+            Source::Host => HOST_PAGE,
+            Source::Meta { page } => page,
             #[cfg(any(feature = "cuda", feature = "cuda-12"))]
-            Source::Cuda(_) => false,
+            Source::Cuda(_) => DEVICE_PAGE,
         }
     }
 }
@@ -175,11 +207,15 @@ struct Segment {
     bytes: usize,
     /// Every block of the segment by offset; they tile it without gaps.
     blocks: BTreeMap<usize, Block>,
-    /// The pages the system may hold for the segment: all of device
-    /// memory; of host pages, those of blocks handed out since the segment
-    /// was made or the pages were given back (a block handed out is taken
-    /// to be written whole).
+    /// The pages the system may hold for the segment: those of blocks
+    /// handed out since the segment was made or the pages were given back
+    /// (a host block handed out is taken to be written whole; a device
+    /// block's pages are mapped then).
     held: PageSet,
+    /// (CUDA) The memory handle of each mapped page, by offset: exactly the
+    /// pages of `held`.
+    #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+    device_pages: BTreeMap<usize, u64>,
 }
 
 /// Zeroed host pages for a segment, committed lazily by the kernel; None
@@ -247,7 +283,26 @@ fn free_host_pages(base: NonNull<u8>, bytes: usize) {
 impl Segment {
     #[cfg(not(unix))]
     fn layout(bytes: usize) -> Layout {
-        Layout::from_size_align(bytes, SEGMENT_ALIGN).expect("segment size fits a layout")
+        Layout::from_size_align(bytes, HOST_PAGE).expect("segment size fits a layout")
+    }
+
+    /// (CUDA) The mapped pages in `start..end` (page multiples), as
+    /// (address, bytes, handle), taken out of `device_pages`.
+    #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+    fn take_device_pages(&mut self, start: usize, end: usize) -> Vec<(u64, usize, u64)> {
+        let offsets: Vec<usize> = self
+            .device_pages
+            .range(start..end)
+            .map(|(&o, _)| o)
+            .collect();
+        let base = self.base.as_ptr().addr() as u64;
+        offsets
+            .into_iter()
+            .map(|o| {
+                let handle = self.device_pages.remove(&o).expect("listed");
+                (base + o as u64, DEVICE_PAGE, handle)
+            })
+            .collect()
     }
 
     fn is_unused(&self) -> bool {
@@ -266,10 +321,13 @@ impl Drop for Segment {
             Source::Meta { .. } => {}
             #[cfg(any(feature = "cuda", feature = "cuda-12"))]
             Source::Cuda(n) => {
-                // A drop cannot return an error; a failed free leaks the
+                // A drop cannot return an error; a failed unmap leaks the
                 // segment (the context is torn down at exit anyway).
                 if let Ok(core) = crate::device::cuda::core(n) {
-                    let _ = core.free(self.base.as_ptr().addr() as u64);
+                    let pages = self.take_device_pages(0, self.bytes);
+                    if core.unmap(&pages).is_ok() {
+                        let _ = core.free_addresses(self.base.as_ptr().addr() as u64, self.bytes);
+                    }
                 }
             }
         }
@@ -279,6 +337,40 @@ impl Drop for Segment {
 // SAFETY: a segment is plain memory owned by the arena; access to its bytes
 // goes through blocks that are each held by one storage at a time.
 unsafe impl Send for Segment {}
+
+/// Maps device memory into `start..end` of `seg` where no page is mapped
+/// yet, one [`DEVICE_PAGE`] at a time; on failure unmaps what it mapped,
+/// so the segment is as it was.
+#[cfg(any(feature = "cuda", feature = "cuda-12"))]
+fn map_device_pages(
+    n: u32,
+    seg: &mut Segment,
+    start: usize,
+    end: usize,
+) -> crate::error::Result<()> {
+    let gaps = seg.held.gaps(start, end);
+    if gaps.is_empty() {
+        return Ok(());
+    }
+    let core = crate::device::cuda::core(n)?;
+    let base = seg.base.as_ptr().addr() as u64;
+    let mut made: Vec<(u64, usize, u64)> = Vec::new();
+    for (s, e) in gaps {
+        for off in (s..e).step_by(DEVICE_PAGE) {
+            match core.map_zeroed(base + off as u64, DEVICE_PAGE) {
+                Ok(handle) => made.push((base + off as u64, DEVICE_PAGE, handle)),
+                Err(err) => {
+                    let _ = core.unmap(&made);
+                    return Err(err.into());
+                }
+            }
+        }
+    }
+    for (addr, _, handle) in made {
+        seg.device_pages.insert((addr - base) as usize, handle);
+    }
+    Ok(())
+}
 
 #[derive(Default)]
 pub(crate) struct Arena {
@@ -318,9 +410,10 @@ impl Arena {
         self.resident
     }
 
-    /// Whether [`Arena::forget_free_pages`] can lower `resident`.
-    pub(crate) fn commits_on_touch(&self) -> bool {
-        self.source.commits_on_touch()
+    /// The unit the arena holds memory in (and sizes segments in).
+    #[cfg(test)]
+    pub(crate) fn page(&self) -> usize {
+        self.source.page()
     }
 
     #[cfg(test)]
@@ -351,17 +444,32 @@ impl Arena {
     }
 
     /// Best fit for `bytes` (a multiple of BLOCK_ALIGN) among free blocks,
-    /// split when the remainder is worth keeping apart.
-    pub(crate) fn take(&mut self, bytes: usize) -> Option<Place> {
-        let &(size, segment, offset) = self.free.range((bytes, 0, 0)..).next()?;
-        self.free.remove(&(size, segment, offset));
-        self.free_bytes -= size;
+    /// split when the remainder is worth keeping apart; None when no free
+    /// block is large enough. Device pages the block needs are mapped
+    /// first: a device out of memory is an error (`Error::Cuda`, op
+    /// `cuMemCreate`) that leaves the arena as it was.
+    pub(crate) fn take(&mut self, bytes: usize) -> crate::error::Result<Option<Place>> {
+        let Some(&(size, segment, offset)) = self.free.range((bytes, 0, 0)..).next() else {
+            return Ok(None);
+        };
+        let used = if size - bytes >= MIN_SPLIT {
+            bytes
+        } else {
+            size
+        };
+        let page = self.source.page();
         let seg = self.segments[segment]
             .as_mut()
             .expect("free block's segment");
-        let mut used = size;
-        if size - bytes >= MIN_SPLIT {
-            used = bytes;
+        let (start, end) = pages_over(offset, used, page);
+        let end = end.min(seg.bytes);
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        if let Source::Cuda(n) = self.source {
+            map_device_pages(n, seg, start, end)?;
+        }
+        self.free.remove(&(size, segment, offset));
+        self.free_bytes -= size;
+        if used < size {
             let rest = size - bytes;
             seg.blocks.insert(
                 offset + bytes,
@@ -376,15 +484,12 @@ impl Arena {
         let block = seg.blocks.get_mut(&offset).expect("block in its segment");
         block.bytes = used;
         block.free = false;
-        if self.source.commits_on_touch() {
-            let (start, end) = pages_over(offset, used);
-            self.resident += seg.held.insert(start, end.min(seg.bytes));
-        }
-        Some(Place {
+        self.resident += seg.held.insert(start, end);
+        Ok(Some(Place {
             segment,
             offset,
             bytes: used,
-        })
+        }))
     }
 
     /// Returns a block, merging it with free neighbours.
@@ -416,24 +521,35 @@ impl Arena {
         self.free_bytes += bytes;
     }
 
-    /// Asks the source for a zeroed segment of `bytes` (a multiple of
-    /// BLOCK_ALIGN) and makes it one free block. A refused host mapping is
-    /// an error (`Error::HostMemory`); a device that runs out (or fails) is
-    /// an error (`Error::Cuda`, op `cuMemAlloc`).
-    pub(crate) fn add_segment(&mut self, bytes: usize) -> crate::error::Result<()> {
+    /// Asks the source for a segment of at least `bytes` (rounded up to
+    /// [`Arena::page`]) and makes it one free block; returns its size. A
+    /// refused host mapping is an error (`Error::HostMemory`); a device
+    /// that refuses the addresses (or fails) is an error (`Error::Cuda`, op
+    /// `cuMemAddressReserve`).
+    pub(crate) fn add_segment(&mut self, bytes: usize) -> crate::error::Result<usize> {
+        let bytes = bytes.max(1).next_multiple_of(self.source.page());
         let base = match self.source {
             Source::Host => host_pages(bytes).ok_or(crate::error::Error::HostMemory { bytes })?,
             // Never dereferenced: meta storage holds no elements.
-            Source::Meta { .. } => {
-                NonNull::new(std::ptr::without_provenance_mut::<u8>(SEGMENT_ALIGN))
-                    .expect("a non-zero address")
-            }
+            Source::Meta { .. } => NonNull::new(std::ptr::without_provenance_mut::<u8>(HOST_PAGE))
+                .expect("a non-zero address"),
             #[cfg(any(feature = "cuda", feature = "cuda-12"))]
             Source::Cuda(n) => {
-                let addr = crate::device::cuda::core(n)?.alloc_zeroed(bytes)?;
+                let core = crate::device::cuda::core(n)?;
+                if !DEVICE_PAGE.is_multiple_of(core.granularity) {
+                    return Err(crate::error::Error::Cuda {
+                        op: "cuMemGetAllocationGranularity",
+                        reason: format!(
+                            "device {n} maps memory in units of {} bytes, which do not divide \
+                             the pool's {DEVICE_PAGE}-byte pages",
+                            core.granularity
+                        ),
+                    });
+                }
+                let addr = core.reserve_addresses(bytes)?;
                 NonNull::new(std::ptr::without_provenance_mut::<u8>(addr as usize)).ok_or(
                     crate::error::Error::Cuda {
-                        op: "cuMemAlloc",
+                        op: "cuMemAddressReserve",
                         reason: "returned address 0".into(),
                     },
                 )?
@@ -447,12 +563,7 @@ impl Arena {
                 self.segments.push(None);
                 self.segments.len() - 1
             });
-        // Device memory is committed now; host pages when touched.
-        let mut held = PageSet::default();
-        if !self.source.commits_on_touch() {
-            held.insert(0, bytes);
-        }
-        let resident = held.bytes;
+        // Memory comes when blocks are handed out.
         let mut blocks = BTreeMap::new();
         blocks.insert(0, Block { bytes, free: true });
         self.segments[index] = Some(Segment {
@@ -460,31 +571,33 @@ impl Arena {
             source: self.source,
             bytes,
             blocks,
-            held,
+            held: PageSet::default(),
+            #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+            device_pages: BTreeMap::new(),
         });
         self.free.insert((bytes, index, 0));
         self.free_bytes += bytes;
         self.mapped += bytes;
-        self.resident += resident;
-        Ok(())
+        Ok(bytes)
     }
 
-    /// Gives the pages of free blocks back to the system (host pages; the
-    /// meta device's simulation of them), the blocks holding the most first,
-    /// until `resident` is at most `target` or every free block's pages
-    /// went back. A block keeps the partial pages at its ends (a neighbour
-    /// in use shares them). Returns the bytes given back. Device memory
-    /// stays: it goes back only with its segment.
-    pub(crate) fn forget_free_pages(&mut self, target: usize) -> usize {
-        if !self.source.commits_on_touch() || self.resident <= target {
-            return 0;
+    /// Gives the pages of free blocks back to the system (host pages,
+    /// device pages, or the meta device's simulation of them), the blocks
+    /// holding the most first, until `resident` is at most `target` or
+    /// every free block's pages went back. A block keeps the partial pages
+    /// at its ends (a neighbour in use shares them). Returns the bytes
+    /// given back; a device that fails to unmap is an error.
+    pub(crate) fn forget_free_pages(&mut self, target: usize) -> crate::error::Result<usize> {
+        if self.resident <= target {
+            return Ok(0);
         }
+        let page = self.source.page();
         // (held bytes, segment, first page, end page) of each free block.
         let mut candidates: Vec<(usize, usize, usize, usize)> = Vec::new();
         for (i, seg) in self.segments.iter().enumerate() {
             let Some(seg) = seg else { continue };
             for (&off, b) in seg.blocks.iter().filter(|(_, b)| b.free) {
-                let (start, end) = pages_inside(off, b.bytes);
+                let (start, end) = pages_inside(off, b.bytes, page);
                 if start < end {
                     let held = seg.held.count(start, end);
                     if held > 0 {
@@ -497,20 +610,30 @@ impl Arena {
         // every time, which the simulation relies on.
         candidates.sort_unstable_by(|a, b| b.0.cmp(&a.0).then((a.1, a.2).cmp(&(b.1, b.2))));
         let mut forgotten = 0;
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        let mut unmap = Vec::new();
         for (_, i, start, end) in candidates {
             if self.resident <= target {
                 break;
             }
             let seg = self.segments[i].as_mut().expect("a listed segment");
-            if seg.source == Source::Host {
+            match seg.source {
                 // SAFETY: start < end <= the segment's bytes.
-                forget_host_pages(unsafe { seg.base.add(start) }, end - start);
+                Source::Host => forget_host_pages(unsafe { seg.base.add(start) }, end - start),
+                Source::Meta { .. } => {}
+                #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+                Source::Cuda(_) => unmap.extend(seg.take_device_pages(start, end)),
             }
             let gone = seg.held.remove(start, end);
             forgotten += gone;
             self.resident -= gone;
         }
-        forgotten
+        // One wait for the stream, then every page at once.
+        #[cfg(any(feature = "cuda", feature = "cuda-12"))]
+        if let Source::Cuda(n) = self.source {
+            crate::device::cuda::core(n)?.unmap(&unmap)?;
+        }
+        Ok(forgotten)
     }
 
     /// Returns unused segments to the system, smallest first, until at
@@ -577,7 +700,7 @@ mod tests {
                     start > end || end == 0 && start == 0,
                     "held ranges touch or overlap"
                 );
-                assert!(start < e && e <= s.bytes.next_multiple_of(SEGMENT_ALIGN));
+                assert!(start < e && e <= s.bytes.next_multiple_of(a.page()));
                 end = e;
             }
             assert_eq!(
@@ -603,17 +726,17 @@ mod tests {
     fn best_fit_splits_and_frees_merge() {
         let mut a = Arena::default();
         a.add_segment(64 * K).unwrap();
-        let x = a.take(16 * K).unwrap();
-        let y = a.take(16 * K).unwrap();
-        let z = a.take(16 * K).unwrap();
+        let x = a.take(16 * K).unwrap().unwrap();
+        let y = a.take(16 * K).unwrap().unwrap();
+        let z = a.take(16 * K).unwrap().unwrap();
         check(&a);
         assert_eq!(a.free_bytes(), 16 * K);
-        assert!(a.take(32 * K).is_none(), "only 16 pages are left");
+        assert!(a.take(32 * K).unwrap().is_none(), "only 16 pages are left");
         a.give(x);
         a.give(y); // merges with x
         check(&a);
         assert_eq!(a.largest_free(), 32 * K);
-        let w = a.take(32 * K).unwrap();
+        let w = a.take(32 * K).unwrap().unwrap();
         assert_eq!((w.segment, w.offset), (x.segment, x.offset));
         a.give(z);
         check(&a);
@@ -632,10 +755,10 @@ mod tests {
         a.add_segment(10 * K).unwrap();
         a.add_segment(4 * K).unwrap();
         a.add_segment(6 * K).unwrap();
-        let p = a.take(5 * K + BLOCK_ALIGN).unwrap();
+        let p = a.take(5 * K + BLOCK_ALIGN).unwrap().unwrap();
         assert_eq!(p.bytes, 6 * K, "the remainder is below MIN_SPLIT: kept");
-        assert_eq!(a.take(4 * K).unwrap().bytes, 4 * K);
-        let q = a.take(3 * K).unwrap();
+        assert_eq!(a.take(4 * K).unwrap().unwrap().bytes, 4 * K);
+        let q = a.take(3 * K).unwrap().unwrap();
         assert_eq!((q.bytes, a.largest_free()), (3 * K, 7 * K));
         check(&a);
     }
@@ -646,7 +769,7 @@ mod tests {
         a.add_segment(8 * K).unwrap();
         a.add_segment(2 * K).unwrap();
         a.add_segment(4 * K).unwrap();
-        let held = a.take(8 * K).unwrap();
+        let held = a.take(8 * K).unwrap().unwrap();
         assert_eq!(a.release_unused(K), 2 * K);
         assert_eq!(a.mapped(), 12 * K);
         assert_eq!(a.release_unused(usize::MAX), 4 * K, "the held one stays");
@@ -663,8 +786,8 @@ mod tests {
         let mut a = Arena::default();
         a.add_segment(64 * K).unwrap();
         assert_eq!(a.resident(), 0, "untouched host pages are not held");
-        let x = a.take(16 * K + 128).unwrap();
-        let y = a.take(8 * K).unwrap();
+        let x = a.take(16 * K + 128).unwrap().unwrap();
+        let y = a.take(8 * K).unwrap().unwrap();
         // Whole pages: x's 17th is y's first.
         assert_eq!(a.resident(), 24 * K + K);
         // SAFETY: x is a block of x.bytes this test holds.
@@ -673,7 +796,7 @@ mod tests {
         a.give(x);
         check(&a);
         assert_eq!(a.resident(), 25 * K, "a freed block may still be held");
-        let forgotten = a.forget_free_pages(0);
+        let forgotten = a.forget_free_pages(0).unwrap();
         check(&a);
         // x starts the segment: its first 16 pages go back; its last 128
         // bytes share a page with y, which is in use.
@@ -683,23 +806,34 @@ mod tests {
         // its bytes is reading the mapping.
         let after = unsafe { std::slice::from_raw_parts(a.address(x).as_ptr(), 16 * K) };
         assert!(after.iter().all(|&b| b == 0), "given-back pages read zero");
-        let x2 = a.take(16 * K).unwrap();
+        let x2 = a.take(16 * K).unwrap().unwrap();
         assert_eq!(a.resident(), 25 * K, "taken again: held again");
         a.give(x2);
         a.give(y);
         check(&a);
     }
 
-    /// Device memory is held whole from the start, and stays.
+    /// Device memory is held in whole device pages: a segment rounds up to
+    /// them, a block holds the pages it touches, and a free block's own
+    /// pages go back (those it shares with a block in use stay).
     #[test]
-    fn device_like_segments_are_resident_whole() {
-        let mut a = Arena::new(Source::Meta { on_touch: false });
-        a.add_segment(64 * K).unwrap();
-        assert_eq!(a.resident(), 64 * K);
-        let x = a.take(16 * K).unwrap();
+    fn device_pages_are_held_where_blocks_are() {
+        const P: usize = DEVICE_PAGE;
+        let mut a = Arena::new(Source::Meta { page: P });
+        assert_eq!(a.add_segment(5 * P + 1).unwrap(), 6 * P);
+        assert_eq!(a.resident(), 0, "reserved addresses hold no memory");
+        let x = a.take(P + BLOCK_ALIGN).unwrap().unwrap();
+        let y = a.take(2 * P).unwrap().unwrap();
+        check(&a);
+        // x: pages 0 and 1; y: from P + 64, pages 1 to 3.
+        assert_eq!(a.resident(), 4 * P);
         a.give(x);
-        assert_eq!(a.forget_free_pages(0), 0);
-        assert_eq!(a.resident(), 64 * K);
+        assert_eq!(a.forget_free_pages(0).unwrap(), P, "page 1 is y's too");
+        assert_eq!(a.resident(), 3 * P);
+        check(&a);
+        a.give(y);
+        assert_eq!(a.forget_free_pages(0).unwrap(), 3 * P);
+        assert_eq!(a.resident(), 0);
         check(&a);
     }
 
@@ -707,6 +841,11 @@ mod tests {
     /// overlapping blocks.
     #[test]
     fn random_sequences_keep_the_invariants() {
+        random_sequence(Arena::default());
+        random_sequence(Arena::new(Source::Meta { page: DEVICE_PAGE }));
+    }
+
+    fn random_sequence(mut a: Arena) {
         let mut rng = 0x2545_f491_4f6c_dd1du64;
         let mut next = || {
             rng ^= rng << 13;
@@ -714,19 +853,19 @@ mod tests {
             rng ^= rng << 17;
             rng
         };
-        let mut a = Arena::default();
         a.add_segment(256 * K).unwrap();
         a.add_segment(64 * K).unwrap();
         let mut held: Vec<Place> = Vec::new();
         for _ in 0..3000 {
             if next() % 3 != 0 || held.is_empty() {
                 let bytes = block_size((next() % (48 * K as u64)) as usize);
-                if let Some(p) = a.take(bytes) {
+                if let Some(p) = a.take(bytes).unwrap() {
                     assert!(p.bytes >= bytes && p.bytes < bytes + MIN_SPLIT);
                     held.push(p);
                 }
             } else if next() % 7 == 0 {
-                a.forget_free_pages((next() % (128 * K as u64)) as usize);
+                a.forget_free_pages((next() % (128 * K as u64)) as usize)
+                    .unwrap();
             } else {
                 let i = (next() % held.len() as u64) as usize;
                 a.give(held.swap_remove(i));
@@ -746,7 +885,7 @@ mod tests {
         }
         check(&a);
         assert_eq!(a.free_bytes(), a.mapped());
-        a.forget_free_pages(0);
+        a.forget_free_pages(0).unwrap();
         check(&a);
         assert_eq!(a.resident(), 0, "whole free segments go back whole");
     }

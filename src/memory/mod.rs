@@ -12,15 +12,15 @@
 //!   fails with [`Error::OutOfBudget`] and a [`BudgetReport`]. Reserved
 //!   memory (what the system holds for the pool) is kept under the budget
 //!   as well, from the first allocation on:
-//!   - Host pages: one segment of twice the budget's address space, whose
-//!     pages the kernel commits only as blocks are handed out. Before a
-//!     request would hold more than the budget, free blocks' pages go back
-//!     to the system (`madvise`). So fragmentation (no free block large
-//!     enough, though the live bytes fit) costs address space, not memory.
-//!   - Device memory is committed whole: one segment of the budget, and a
-//!     request that fragmentation leaves without a free block takes a
-//!     segment past it (counted in [`MemoryStats::reserved_peak`]; the
-//!     planner's simulation predicts it and `auto` avoids such plans).
+//!   one segment of twice the budget's address space, whose pages are held
+//!   only as blocks are handed out (host pages the kernel commits on first
+//!   touch; device pages of 2 MiB mapped with CUDA's virtual memory calls).
+//!   Before a request would hold more than the budget, free blocks' pages
+//!   go back to the system (`madvise`; `cuMemUnmap`). So fragmentation (no
+//!   free block large enough, though the live bytes fit) costs address
+//!   space, not memory; what rounding to pages adds is counted in
+//!   [`MemoryStats::reserved_peak`], which the planner's simulation
+//!   predicts.
 //! * An optional timeline records every alloc/free event.
 //! * A pool allocates on one [`Device`]. A pool on the *meta* device
 //!   ([`Pool::shapes_only`], [`Pool::on`]) does the same accounting with
@@ -42,15 +42,13 @@ use arena::{Arena, block_size};
 /// Segment size of a pool without a budget: large enough that a ResNet-50
 /// step's buffers share a few segments (and free neighbours can merge).
 const SEGMENT_BYTES: usize = 64 << 20;
+/// A segment under a budget spans this many times the budget of address
+/// space (its pages are held only where blocks were handed out, and given
+/// back before the budget is crossed).
+const SPACE_PER_BUDGET: usize = 2;
 /// Under a budget, the one arena segment is at most this large, so a huge
 /// budget does not ask the system for an address range beyond reason.
-const MAX_SEGMENT_BYTES: usize = 4 << 30;
-/// Host pages: a segment under a budget spans this many times the budget
-/// of address space (its pages are held only where touched, and given
-/// back before the budget is crossed).
-const HOST_SPACE_PER_BUDGET: usize = 2;
-/// [`MAX_SEGMENT_BYTES`] for host pages.
-const MAX_HOST_SEGMENT_BYTES: usize = 64 << 30;
+const MAX_SEGMENT_BYTES: usize = 64 << 30;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EventKind {
@@ -82,13 +80,13 @@ pub struct MemoryStats {
     pub peak_total: usize,
     /// Live bytes per category at the moment `peak_total` was reached.
     pub at_peak: ByCategory,
-    /// Memory held from the system (at most): device segments whole; of
-    /// host segments the pages of blocks in use and of free blocks whose
+    /// Memory held from the system (at most): the pages (4 KiB on the
+    /// host, 2 MiB on a device) of blocks in use and of free blocks whose
     /// pages were not given back.
     pub reserved: usize,
     /// The highest `reserved` so far.
     pub reserved_peak: usize,
-    /// Address space of the segments (device memory: equal to `reserved`).
+    /// Address space of the segments.
     pub mapped: usize,
     /// Segments asked of the system.
     pub system_allocs: u64,
@@ -147,33 +145,26 @@ impl PoolState {
     }
 
     fn take_block_unrecorded(&mut self, bytes: usize) -> Result<arena::Place> {
-        let on_touch = self.arena.commits_on_touch();
-        if let Some(budget) = self.segment_budget.filter(|_| on_touch)
+        if let Some(budget) = self.segment_budget
             && self.arena.resident() + bytes > budget
         {
-            // Host pages under a budget: the free blocks' pages go back to
-            // the system before the request would hold more than the
-            // budget. So fragmentation costs address space, not memory.
-            self.arena.forget_free_pages(budget.saturating_sub(bytes));
+            // Under a budget the free blocks' pages go back to the system
+            // before the request would hold more than the budget. So
+            // fragmentation costs address space, not memory.
+            self.arena.forget_free_pages(budget.saturating_sub(bytes))?;
         }
-        if let Some(place) = self.arena.take(bytes) {
+        if let Some(place) = self.take_from_arena(bytes)? {
             self.reuses += 1;
             return Ok(place);
         }
         let segment = match self.segment_budget {
             None => bytes.max(SEGMENT_BYTES),
             Some(budget) => {
-                // Host pages cost memory only where touched: the segment
-                // is address space beyond the budget, for the blocks that
-                // fragmentation scatters (the budget bounds the pages).
-                let (space, most) = if on_touch {
-                    (
-                        budget.saturating_mul(HOST_SPACE_PER_BUDGET),
-                        MAX_HOST_SEGMENT_BYTES,
-                    )
-                } else {
-                    (budget, MAX_SEGMENT_BYTES)
-                };
+                // Pages cost memory only where blocks are handed out: the
+                // segment is address space beyond the budget, for the
+                // blocks that fragmentation scatters (the budget bounds the
+                // pages).
+                let (space, most) = (budget.saturating_mul(SPACE_PER_BUDGET), MAX_SEGMENT_BYTES);
                 let room = |a: &Arena| space.saturating_sub(a.mapped());
                 if room(&self.arena) < bytes {
                     // Unused segments (say, from before the budget was
@@ -196,23 +187,34 @@ impl PoolState {
             }
         };
         let segment = match self.arena.add_segment(segment) {
-            Ok(()) => segment,
-            // A GPU commits a segment whole (the host pages it lazily), so
-            // the card may refuse what the budget allows: give back the
-            // cached unused segments and ask for the request alone, as
-            // PyTorch's caching allocator does before it reports OOM.
+            Ok(made) => made,
+            // The system may refuse the address space the budget asks
+            // for: give back the cached unused segments and ask for the
+            // request alone, as PyTorch's caching allocator does before it
+            // reports OOM.
             Err(_) => {
                 self.arena.release_unused(usize::MAX);
-                self.arena.add_segment(bytes)?;
-                bytes
+                self.arena.add_segment(bytes)?
             }
         };
         self.system_allocs += 1;
         self.system_alloc_bytes += segment;
         Ok(self
-            .arena
-            .take(bytes)
+            .take_from_arena(bytes)?
             .expect("a new segment holds the request"))
+    }
+
+    /// [`Arena::take`]; when a device has no memory for the block's pages
+    /// (another process, or a card smaller than the budget), every free
+    /// block's pages go back first and it tries once more.
+    fn take_from_arena(&mut self, bytes: usize) -> Result<Option<arena::Place>> {
+        match self.arena.take(bytes) {
+            Err(Error::Cuda { .. }) => {
+                self.arena.forget_free_pages(0)?;
+                self.arena.take(bytes)
+            }
+            taken => taken,
+        }
     }
 
     /// Live buffers as (tag, category, bytes), largest first.
@@ -280,14 +282,19 @@ impl Pool {
     /// A pool whose storage lives on `device`.
     ///
     /// A pool on a CUDA device takes its segments from device memory
-    /// (`cuMemAlloc`, started on first use: a missing driver is an error at
+    /// (reserved addresses with 2 MiB pages mapped into them, started on
+    /// first use: a missing driver is an error at
     /// the first allocation, never a panic).
     pub fn on(device: Device) -> Self {
         let source = match device {
             #[cfg(any(feature = "cuda", feature = "cuda-12"))]
             Device::Cuda(n) => arena::Source::Cuda(n),
             Device::Meta(target) => arena::Source::Meta {
-                on_touch: target == Target::Cpu,
+                page: if target == Target::Cpu {
+                    arena::HOST_PAGE
+                } else {
+                    arena::DEVICE_PAGE
+                },
             },
             Device::Cpu => arena::Source::Host,
         };
@@ -881,31 +888,28 @@ mod tests {
         assert_eq!((s.reserved, s.reserved_peak), (s.peak_total, s.peak_total));
     }
 
-    /// 4 MiB live in 1 MiB pieces, every other MiB free: a 2 MiB request
-    /// fits the budget but no free block.
-    fn fragment(pool: &Pool) -> (Vec<Tensor>, Tensor) {
-        let mib = |tag| {
-            pool.empty_f32(&[MIB / 4], Category::Activations, Tag::fixed(tag))
+    /// Eight pieces of `unit` bytes make the peak, every other one is freed:
+    /// a request of two units fits the budget but no free block.
+    fn fragment(pool: &Pool, unit: usize) -> (Vec<Tensor>, Tensor) {
+        let piece = |n, tag| {
+            pool.empty_f32(&[n / 4], Category::Activations, Tag::fixed(tag))
                 .unwrap()
         };
-        let all: Vec<_> = (0..8).map(|_| mib("x")).collect();
+        let all: Vec<_> = (0..8).map(|_| piece(unit, "x")).collect();
         let odd: Vec<_> = all
             .into_iter()
             .enumerate()
             .filter(|(i, _)| i % 2 == 1)
             .map(|(_, t)| t)
             .collect();
-        let two = pool
-            .empty_f32(&[MIB / 2], Category::Activations, Tag::fixed("two"))
-            .unwrap();
-        (odd, two)
+        (odd, piece(2 * unit, "two"))
     }
 
     #[test]
     fn fragmentation_under_a_budget_costs_host_address_space_not_memory() {
         let budget = 8 * MIB;
         let pool = Pool::with_budget(budget);
-        let (odd, two) = fragment(&pool);
+        let (odd, two) = fragment(&pool, MIB);
         let s = pool.stats();
         assert_eq!((s.live.total(), s.peak_total), (6 * MIB, 8 * MIB));
         // The 2 MiB come from the segment's address space beyond the
@@ -918,20 +922,21 @@ mod tests {
         assert_eq!(pool.stats().reserved, 0);
     }
 
-    /// Device memory is committed whole: fragmentation takes a segment past
-    /// the budget (rather than fail a step that fits), and says so.
+    /// Device memory too is mapped page by page into address space beyond
+    /// the budget, so fragmentation of whole device pages costs addresses,
+    /// not memory.
     #[cfg(any(feature = "cuda", feature = "cuda-12"))]
     #[test]
-    fn fragmentation_of_device_memory_goes_over_the_reserve_not_the_budget() {
+    fn fragmentation_of_device_memory_costs_address_space_not_memory() {
+        let page = arena::DEVICE_PAGE;
+        let budget = 8 * page;
         let pool = Pool::on(Device::Meta(Target::Cuda(0)));
-        pool.set_budget(Some(8 * MIB));
-        let (odd, two) = fragment(&pool);
+        pool.set_budget(Some(budget));
+        let (odd, two) = fragment(&pool, page);
         let s = pool.stats();
-        assert_eq!(
-            (s.system_allocs, s.reserved, s.mapped),
-            (2, 10 * MIB, 10 * MIB)
-        );
-        assert_eq!(s.reserved_peak, 10 * MIB);
+        assert_eq!((s.live.total(), s.peak_total), (6 * page, budget));
+        assert_eq!((s.system_allocs, s.mapped), (1, 2 * budget));
+        assert_eq!((s.reserved, s.reserved_peak), (budget, budget));
         drop((odd, two));
         pool.empty_cache();
         assert_eq!(pool.stats().reserved, 0);

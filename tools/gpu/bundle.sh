@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds what tools/gpu/check.sh runs on the GPU machine (which has no Rust)
 # and puts it in target/gpu-bundle (ignored by git, under the 64 MiB a
-# device call may carry): the memfit binary with --features cuda, the four
+# device call may carry): the memfit binary with --features cuda, the five
 # CUDA test binaries, check.sh and the PyTorch side-by-side script. Not
 # stripped: the symbols (about 4.5 MiB in all) give a panic's backtrace its
 # function names on the GPU machine (check.sh sets RUST_BACKTRACE=1). Then,
@@ -14,7 +14,7 @@ rm -rf "$DEST"; mkdir -p "$DEST"
 cargo build --release --features cuda
 # Where cargo put it: CARGO_TARGET_DIR when set, else target/.
 cp "${CARGO_TARGET_DIR:-target}/release/memfit" "$DEST/"
-TESTS=(cuda_vs_cpu cuda_probe cuda_plan cuda_kernels)
+TESTS=(cuda_vs_cpu cuda_probe cuda_plan cuda_kernels cuda_memory)
 ARGS=(); for t in "${TESTS[@]}"; do ARGS+=(--test "$t"); done
 # json-render-diagnostics: compile errors still reach the terminal.
 cargo test --release --features cuda "${ARGS[@]}" --no-run --message-format=json-render-diagnostics \

@@ -8,12 +8,13 @@
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
 use std::cell::Cell;
-use std::ffi::{c_char, c_int, c_uint, c_void};
+use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void};
 use std::sync::Arc;
 
 use cudarc::driver::sys::{
-    CUcontext, CUdevice, CUdevice_attribute, CUdeviceptr, CUevent, CUfunction, CUmodule, CUresult,
-    CUstream,
+    CUcontext, CUdevice, CUdevice_attribute, CUdeviceptr, CUevent, CUfunction, CUmemAccess_flags,
+    CUmemAccessDesc, CUmemAllocationGranularity_flags, CUmemAllocationProp, CUmemAllocationType,
+    CUmemGenericAllocationHandle, CUmemLocationType, CUmodule, CUresult, CUstream,
 };
 
 use crate::queue::Op;
@@ -161,6 +162,7 @@ pub unsafe extern "C" fn cuDeviceGetAttribute(
         // No stream-ordered allocator: cudarc then allocates with cuMemAlloc.
         A::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED => 0,
         A::CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING => 1,
+        A::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED => 1,
         _ => 0,
     };
     if pi.is_null() {
@@ -279,6 +281,171 @@ pub extern "C" fn cuMemFree_v2(ptr: CUdeviceptr) -> CUresult {
     }
     match f.mem.free(ptr) {
         Ok(_) => CUresult::CUDA_SUCCESS,
+        Err(why) => refuse(CUresult::CUDA_ERROR_INVALID_VALUE, why),
+    }
+}
+
+// Virtual memory management: reserve addresses, create physical memory,
+// map it, grant access (what memfit's pool maps device memory in granules
+// with).
+
+/// The checks of a `CUmemAllocationProp`: pinned memory of device 0.
+unsafe fn device_prop(prop: *const CUmemAllocationProp) -> Result<(), CUresult> {
+    // SAFETY: the caller's pointer, checked for null.
+    let Some(p) = (unsafe { prop.as_ref() }) else {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    };
+    if p.type_ != CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED
+        || p.location.type_ != CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE
+        || p.location.id != 0
+    {
+        return Err(refuse(
+            CUresult::CUDA_ERROR_INVALID_VALUE,
+            "cuMemCreate/cuMemGetAllocationGranularity: only pinned memory of device 0".into(),
+        ));
+    }
+    Ok(())
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemGetAllocationGranularity(
+    granularity: *mut usize,
+    prop: *const CUmemAllocationProp,
+    _option: CUmemAllocationGranularity_flags,
+) -> CUresult {
+    if let Err(e) = unsafe { device_prop(prop) } {
+        return e;
+    }
+    if granularity.is_null() {
+        return CUresult::CUDA_ERROR_INVALID_VALUE;
+    }
+    unsafe { granularity.write(crate::memory::DEVICE_ALIGN as usize) };
+    CUresult::CUDA_SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAddressReserve(
+    ptr: *mut CUdeviceptr,
+    size: usize,
+    _alignment: usize,
+    _addr: CUdeviceptr,
+    flags: c_ulonglong,
+) -> CUresult {
+    let mut f = fake();
+    ready!(f);
+    if ptr.is_null() || flags != 0 {
+        return CUresult::CUDA_ERROR_INVALID_VALUE;
+    }
+    match f.mem.reserve(size) {
+        Ok(at) => {
+            unsafe { ptr.write(at) };
+            CUresult::CUDA_SUCCESS
+        }
+        Err(why) => refuse(CUresult::CUDA_ERROR_INVALID_VALUE, why),
+    }
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemAddressFree(ptr: CUdeviceptr, size: usize) -> CUresult {
+    let mut f = fake();
+    ready!(f);
+    match f.mem.unreserve(ptr, size) {
+        Ok(()) => CUresult::CUDA_SUCCESS,
+        Err(why) => refuse(CUresult::CUDA_ERROR_INVALID_VALUE, why),
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemCreate(
+    handle: *mut CUmemGenericAllocationHandle,
+    size: usize,
+    prop: *const CUmemAllocationProp,
+    flags: c_ulonglong,
+) -> CUresult {
+    let mut f = fake();
+    ready!(f);
+    if let Err(e) = unsafe { device_prop(prop) } {
+        return e;
+    }
+    if handle.is_null() || flags != 0 {
+        return CUresult::CUDA_ERROR_INVALID_VALUE;
+    }
+    match f.mem.create(size) {
+        Ok(Some(h)) => {
+            unsafe { handle.write(h) };
+            CUresult::CUDA_SUCCESS
+        }
+        Ok(None) => CUresult::CUDA_ERROR_OUT_OF_MEMORY,
+        Err(why) => refuse(CUresult::CUDA_ERROR_INVALID_VALUE, why),
+    }
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> CUresult {
+    let mut f = fake();
+    ready!(f);
+    match f.mem.release(handle) {
+        Ok(()) => CUresult::CUDA_SUCCESS,
+        Err(why) => refuse(CUresult::CUDA_ERROR_INVALID_VALUE, why),
+    }
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemMap(
+    ptr: CUdeviceptr,
+    size: usize,
+    offset: usize,
+    handle: CUmemGenericAllocationHandle,
+    flags: c_ulonglong,
+) -> CUresult {
+    let mut f = fake();
+    ready!(f);
+    if flags != 0 {
+        return CUresult::CUDA_ERROR_INVALID_VALUE;
+    }
+    match f.mem.map(ptr, size, offset, handle) {
+        Ok(()) => CUresult::CUDA_SUCCESS,
+        Err(why) => refuse(CUresult::CUDA_ERROR_INVALID_VALUE, why),
+    }
+}
+
+/// Does not wait for queued work (neither does the real driver): work
+/// queued before it that touches the range fails when it runs.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CUresult {
+    let mut f = fake();
+    ready!(f);
+    match f.mem.unmap(ptr, size) {
+        Ok(()) => CUresult::CUDA_SUCCESS,
+        Err(why) => refuse(CUresult::CUDA_ERROR_INVALID_VALUE, why),
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemSetAccess(
+    ptr: CUdeviceptr,
+    size: usize,
+    desc: *const CUmemAccessDesc,
+    count: usize,
+) -> CUresult {
+    let mut f = fake();
+    ready!(f);
+    if desc.is_null() || count != 1 {
+        return CUresult::CUDA_ERROR_INVALID_VALUE;
+    }
+    // SAFETY: checked for null; count is 1.
+    let d = unsafe { &*desc };
+    if d.location.type_ != CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE
+        || d.location.id != 0
+        || d.flags != CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    {
+        return refuse(
+            CUresult::CUDA_ERROR_INVALID_VALUE,
+            "cuMemSetAccess: only read-write access for device 0".into(),
+        );
+    }
+    match f.mem.set_access(ptr, size) {
+        Ok(()) => CUresult::CUDA_SUCCESS,
         Err(why) => refuse(CUresult::CUDA_ERROR_INVALID_VALUE, why),
     }
 }
