@@ -330,45 +330,53 @@ fn cast(st: &State, to_bf16: bool, dst: u64, src: u64, n: usize) -> Result<()> {
     launch(st, "cast", name, n, &[Arg::Ptr(dst), Arg::Ptr(src), n64(n)])
 }
 
-/// Where a tile of `t` (images `first..`, `image` elements each) is for
-/// cuDNN: in place when `t` is stored in the convolution's type, else the
-/// staging region at `stage` (filled by narrowing first when `fill`).
-#[allow(clippy::too_many_arguments)]
-fn tile_operand(
+/// One tile of a convolution's images (`first..first + images`) in the
+/// convolution's type `dtype`: where its operands are for cuDNN.
+struct Tile<'a> {
     op: &'static str,
-    st: &State,
-    t: &Tensor,
+    st: &'a State,
     dtype: DType,
-    stage: Option<u64>,
     first: usize,
     images: usize,
-    image: usize,
-    fill: bool,
-) -> Result<u64> {
-    let offset = (first * image * t.dtype().unit_bytes()) as u64;
-    if t.dtype() == dtype {
-        return Ok(t.device_address() + offset);
+}
+
+impl Tile<'_> {
+    /// Where the tile's part of `t` (`image` elements per image) is: in
+    /// place when `t` is stored in the convolution's type, else the staging
+    /// region at `stage` (filled by narrowing first when `fill`).
+    fn operand(&self, t: &Tensor, stage: Option<u64>, image: usize, fill: bool) -> Result<u64> {
+        let (op, dtype) = (self.op, self.dtype);
+        let offset = (self.first * image * t.dtype().unit_bytes()) as u64;
+        if t.dtype() == dtype {
+            return Ok(t.device_address() + offset);
+        }
+        if t.dtype() != DType::F32 || dtype != DType::BF16 {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "{} is {:?}; a {dtype:?} convolution takes it as {dtype:?} or f32",
+                    t.tag(),
+                    t.dtype()
+                ),
+            ));
+        }
+        let Some(stage) = stage else {
+            return Err(Error::Cuda {
+                op,
+                reason: format!("no staging region was planned for {}", t.tag()),
+            });
+        };
+        if fill {
+            cast(
+                self.st,
+                true,
+                stage,
+                t.device_address() + offset,
+                self.images * image,
+            )?;
+        }
+        Ok(stage)
     }
-    if t.dtype() != DType::F32 || dtype != DType::BF16 {
-        return Err(Error::invalid(
-            op,
-            format!(
-                "{} is {:?}; a {dtype:?} convolution takes it as {dtype:?} or f32",
-                t.tag(),
-                t.dtype()
-            ),
-        ));
-    }
-    let Some(stage) = stage else {
-        return Err(Error::Cuda {
-            op,
-            reason: format!("no staging region was planned for {}", t.tag()),
-        });
-    };
-    if fill {
-        cast(st, true, stage, t.device_address() + offset, images * image)?;
-    }
-    Ok(stage)
 }
 
 /// cuDNN forward with the geometry's chosen algorithm (alpha 1, beta 0:
@@ -400,33 +408,20 @@ pub fn conv2d_forward(
     // Each kernel and cuDNN call runs in order on the device's one stream,
     // so a staging region is reused only after the call reading it.
     for (first, images) in layout.tiles(g.n) {
-        let tile = ConvGeom { n: images, ..*g };
+        let geom = ConvGeom { n: images, ..*g };
+        let tile = Tile {
+            op,
+            st: &st,
+            dtype,
+            first,
+            images,
+        };
         let stage = |at: Option<usize>| at.map(|a| wsp.at(a));
-        let xa = tile_operand(
-            op,
-            &st,
-            x,
-            dtype,
-            stage(layout.x),
-            first,
-            images,
-            in_image,
-            true,
-        )?;
-        let ya = tile_operand(
-            op,
-            &st,
-            y,
-            dtype,
-            stage(layout.y),
-            first,
-            images,
-            out_image,
-            false,
-        )?;
+        let xa = tile.operand(x, stage(layout.x), in_image, true)?;
+        let ya = tile.operand(y, stage(layout.y), out_image, false)?;
         dnn::conv_forward(
             &st,
-            &tile,
+            &geom,
             dtype,
             &dnn::ConvArgs {
                 x: xa,
@@ -507,18 +502,15 @@ pub fn conv2d_backward(
     let (in_image, out_image) = (g.h * g.w * g.cin, g.oh() * g.ow() * g.cout);
     let stage = |at: Option<usize>| at.map(|a| wsp.at(a));
     for (first, images) in layout.tiles(g.n) {
-        let tile = ConvGeom { n: images, ..*g };
-        let dya = tile_operand(
+        let geom = ConvGeom { n: images, ..*g };
+        let tile = Tile {
             op,
-            &st,
-            dy,
+            st: &st,
             dtype,
-            stage(layout.y),
             first,
             images,
-            out_image,
-            true,
-        )?;
+        };
+        let dya = tile.operand(dy, stage(layout.y), out_image, true)?;
         if let Some(dx) = dx.as_deref_mut() {
             timed(Family::ConvDgrad, 0, || -> Result<()> {
                 let in_place = dtype == DType::F32;
@@ -532,7 +524,7 @@ pub fn conv2d_backward(
                 };
                 dnn::conv_backward_data(
                     &st,
-                    &tile,
+                    &geom,
                     dtype,
                     if in_place { 1.0 } else { 0.0 },
                     &dnn::ConvArgs {
@@ -565,20 +557,10 @@ pub fn conv2d_backward(
         // The data pass before it is ordered on the same stream, so reusing
         // the cuDNN region is safe.
         timed(Family::ConvWgrad, 0, || -> Result<()> {
-            let xa = tile_operand(
-                op,
-                &st,
-                x,
-                dtype,
-                stage(layout.x),
-                first,
-                images,
-                in_image,
-                true,
-            )?;
+            let xa = tile.operand(x, stage(layout.x), in_image, true)?;
             dnn::conv_backward_filter(
                 &st,
-                &tile,
+                &geom,
                 dtype,
                 &dnn::ConvArgs {
                     x: xa,

@@ -9,22 +9,29 @@
 // Launch: one thread per mask byte (ceil(n / 8)) for the mask kernels, one
 // per element for add_assign.
 
-// Mirrors add_relu_forward: x = max(x + residual, 0) in place, bit =
-// (x + residual > 0), then `round`. The residual is read as f32 (it may be a
-// stored bf16 block input).
-// x: (n) f32 in/out; mask: (ceil(n/8)) bytes out; residual: (n).
-template <typename R>
-__device__ void add_relu_forward(float* x, u8* mask, const R* residual, long long n, int round) {
+// Stores a ReLU output: into an f32 x rounded as `round` says (the CPU's
+// emulation of a low-precision store), into a bf16 x to nearest even.
+__device__ __forceinline__ void store_relu(float* p, float v, int round) { *p = round_to(v, round); }
+__device__ __forceinline__ void store_relu(bf16_t* p, float v, int) { *p = f32_to_bf16(v); }
+
+// Mirrors add_relu_forward (f32 x) and add_relu_forward_bf16 (bf16 x: the
+// sum stored in bf16, as the CPU keeps it where the device reads bf16):
+// s = x + residual in f32, x = max(s, 0) in place (stored by store_relu),
+// bit = (s > 0). The residual is read as f32 (it may be a stored bf16 block
+// input).
+// x: (n) f32 or bf16 in/out; mask: (ceil(n/8)) bytes out; residual: (n).
+template <typename X, typename R>
+__device__ void add_relu_forward(X* x, u8* mask, const R* residual, long long n, int round) {
     long long b = global_index();
     if (b * 8 >= n) return;
     unsigned int bits = 0;
     for (int j = 0; j < 8; j++) {
         long long i = b * 8 + j;
         if (i >= n) break;
-        float s = x[i] + read_f32(residual[i]);
+        float s = read_f32(x[i]) + read_f32(residual[i]);
         bool pos = s > 0.0f;
         bits |= (unsigned int)pos << j;
-        x[i] = round_to(pos ? s : 0.0f, round);
+        store_relu(&x[i], pos ? s : 0.0f, round);
     }
     mask[b] = (u8)bits;
 }
@@ -39,34 +46,14 @@ extern "C" __global__ void add_relu_forward_bf16(float* x, u8* mask, const bf16_
     add_relu_forward(x, mask, residual, n, round);
 }
 
-// Mirrors add_relu_forward_bf16 (the sum stored in bf16, as the CPU keeps it
-// where the device reads bf16): s = x + residual in f32, x = bf16(max(s, 0))
-// to nearest even, bit = (s > 0).
-// x: (n) bf16 in/out; mask: (ceil(n/8)) bytes out; residual: (n).
-template <typename R>
-__device__ void add_relu_forward_to_bf16(bf16_t* x, u8* mask, const R* residual, long long n) {
-    long long b = global_index();
-    if (b * 8 >= n) return;
-    unsigned int bits = 0;
-    for (int j = 0; j < 8; j++) {
-        long long i = b * 8 + j;
-        if (i >= n) break;
-        float s = bf16_to_f32(x[i]) + read_f32(residual[i]);
-        bool pos = s > 0.0f;
-        bits |= (unsigned int)pos << j;
-        x[i] = f32_to_bf16(pos ? s : 0.0f);
-    }
-    mask[b] = (u8)bits;
-}
-
 extern "C" __global__ void add_relu_forward_zbf16_f32(bf16_t* x, u8* mask, const float* residual,
                                                      long long n) {
-    add_relu_forward_to_bf16(x, mask, residual, n);
+    add_relu_forward(x, mask, residual, n, 0);
 }
 
 extern "C" __global__ void add_relu_forward_zbf16_bf16(bf16_t* x, u8* mask,
                                                       const bf16_t* residual, long long n) {
-    add_relu_forward_to_bf16(x, mask, residual, n);
+    add_relu_forward(x, mask, residual, n, 0);
 }
 
 // Mirrors relu_mask_forward: x = max(x, 0) in place, bit = (x > 0).
