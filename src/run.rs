@@ -683,6 +683,9 @@ pub fn train_on(
         },
         fmt_bytes(resolved.predicted.peak_total)
     );
+    if let Some(why) = &resolved.precision_choice {
+        line!(out, "{why}");
+    }
     if let Some(note) = bf16_emulation_note(resolved.precision).filter(|_| root) {
         eprintln!("{note}");
     }

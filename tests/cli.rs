@@ -398,11 +398,12 @@ fn bench_strategies_tables_every_strategy_with_its_prediction() {
         .lines()
         .filter(|l| l.starts_with("| ") && !l.starts_with("| strategy"))
         .collect();
-    // 9 fixed rows plus the auto rows whose budget some plan fits.
-    assert!((9..=12).contains(&rows.len()), "{out}");
+    // 10 fixed rows plus the auto rows whose budget some plan fits.
+    assert!((10..=13).contains(&rows.len()), "{out}");
     for name in [
         "| bf16 |",
         "| f16 |",
+        "| precision auto |",
         "| BN+ReLU recompute |",
         "| auto @ 75% of none |",
     ] {
@@ -973,4 +974,54 @@ fn a_closed_stdout_ends_the_program_quietly() {
         assert_eq!(out.status.code(), Some(141), "{args:?}: {err}");
         assert!(err.is_empty(), "{args:?}: {err}");
     }
+}
+
+/// `--precision auto` weighs speed beside memory: with room for both,
+/// bf16 where this CPU's bf16 arithmetic is modelled faster than fp32
+/// (AMX or AVX512-BF16), else fp32; under a budget only bf16 fits, bf16.
+/// The plan says which and why.
+#[test]
+fn precision_auto_chooses_by_modelled_speed_and_memory() {
+    let plan = |budget: Option<&str>| {
+        let mut args = vec![
+            "plan",
+            "--model",
+            "resnet50",
+            "--data",
+            "synthetic",
+            "--image-size",
+            "64",
+            "--batch-size",
+            "32",
+            "--time-model",
+            "flops",
+            "--precision",
+            "auto",
+        ];
+        if let Some(b) = budget {
+            args.extend(["--memory-budget", b]);
+        }
+        let (code, out, err) = memfit(&args);
+        assert_eq!(code, 0, "stderr:\n{err}");
+        out.lines()
+            .find(|l| l.starts_with("precision auto: "))
+            .unwrap_or_else(|| panic!("no precision line\n{out}"))
+            .to_string()
+    };
+    let native = memfit::device::Device::Cpu.capabilities().native_bf16;
+    let both = plan(None);
+    let want = if native { "bf16" } else { "fp32" };
+    assert!(
+        both.starts_with(&format!(
+            "precision auto: {want} (both fit; bf16 modelled at "
+        )),
+        "{both}"
+    );
+    assert!(both.contains(memfit::device::cpu::bf16_path()), "{both}");
+    // fp32's peak is 484.77 MiB, bf16's 381.02 MiB.
+    let tight = plan(Some("430MiB"));
+    assert!(
+        tight.starts_with("precision auto: bf16 (only bf16 fits;"),
+        "{tight}"
+    );
 }

@@ -192,6 +192,9 @@ pub fn measure_steps_on(
         },
         fmt_bytes(predicted)
     );
+    if let Some(why) = &resolved.precision_choice {
+        outln!(out, "{why}");
+    }
     // On a GPU, the cuDNN algorithm and exact workspace chosen per
     // convolution geometry (planning asked cuDNN for each one), before the
     // steps run: a step that fails still leaves them in the log.

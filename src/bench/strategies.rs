@@ -68,6 +68,12 @@ pub fn strategy_rows(batch_size: usize) -> Vec<StrategyRow> {
             precision: "f16",
             ..row("f16", "none")
         },
+        // --precision auto: the planner weighs bf16's modelled speed here
+        // against fp32's (plan::bf16_time_ratio).
+        StrategyRow {
+            precision: "auto",
+            ..row("precision auto", "none")
+        },
         StrategyRow {
             micro_batch: Some(quarter),
             ..row(&format!("micro-batch {quarter}"), "none")

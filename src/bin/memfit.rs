@@ -158,9 +158,10 @@ struct PrecisionArgs {
     /// fp32, bf16 or f16: convolutions and matmuls on low-type operands with
     /// f32 accumulation, saved activations stored in the low type; BN
     /// statistics, loss and master weights stay f32; f16 trains with a
-    /// dynamic loss scaler. auto: fp32 unless bf16 fits --memory-budget
-    /// where fp32 does not (or, with --checkpoint auto, fits a larger
-    /// micro-batch or less recomputation).
+    /// dynamic loss scaler. auto: whichever of fp32 and bf16 fits
+    /// --memory-budget with the least modelled time per image (bf16's speed
+    /// on this device's bf16 arithmetic, the plan's recomputation), fp32
+    /// on a tie; the plan says why.
     #[arg(long, default_value = "fp32")]
     precision: String,
     /// Recompute BN+ReLU outputs in backward from the kept convolution

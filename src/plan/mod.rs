@@ -21,11 +21,13 @@
 
 mod calibrate;
 mod dp;
+mod precision;
 mod resolve;
 mod simulate;
 mod strategy;
 
 pub use calibrate::{TimeModel, stage_forward_seconds};
+pub use precision::{bf16_time_ratio, seconds_per_image};
 pub use resolve::{PlanRequest, Resolved, report, resolve};
 pub use simulate::{Simulation, simulate, simulate_training};
 pub use strategy::{Strategy, segments_plan, stages_plan};

@@ -10,7 +10,8 @@ use crate::memory::{Category, MemoryStats, Pool, fmt_bytes};
 use crate::nn::{BnPolicy, Precision, ResNet, ResNetConfig};
 use crate::optim::{GradBuckets, Optimizer};
 use crate::plan::{
-    CostModel, Simulation, Strategy, TimeModel, auto_plan, segments_plan, stages_plan, train_config,
+    CostModel, Simulation, Strategy, TimeModel, auto_plan, bf16_time_ratio, seconds_per_image,
+    segments_plan, stages_plan, train_config,
 };
 
 /// What a run asks of the planner.
@@ -27,9 +28,10 @@ pub struct PlanRequest<'a> {
     pub budget: Option<usize>,
     pub strategy: Strategy,
     /// `--precision auto`: choose between fp32 and bf16 (`config.precision`
-    /// is ignored). fp32 wins unless bf16 fits where fp32 does not, or
-    /// (under `--checkpoint auto`) fits a larger micro-batch or a plan with
-    /// less recomputation.
+    /// is ignored): the one that fits with the least modelled time per
+    /// image (its plan's forward, backward and recomputation; bf16's at
+    /// [`bf16_time_ratio`] of fp32's unless the stage times were measured),
+    /// fp32 on a tie.
     pub auto_precision: bool,
     /// Where `auto`'s stage times come from (other strategies need none).
     pub time_model: TimeModel,
@@ -51,6 +53,9 @@ pub struct Resolved {
     pub costs: CostModel,
     /// The whole run simulated on a shapes-only pool.
     pub predicted: MemoryStats,
+    /// Under `--precision auto`, why this precision: one line for the
+    /// report.
+    pub precision_choice: Option<String>,
 }
 
 impl Resolved {
@@ -65,7 +70,8 @@ pub fn resolve(req: &PlanRequest<'_>) -> Result<Resolved> {
     if !req.auto_precision {
         return resolve_for(req, req.config);
     }
-    let mut best: Option<Resolved> = None;
+    let (ratio, why) = bf16_time_ratio(req.config.target);
+    let mut fits: Vec<(Resolved, f64)> = Vec::new();
     let mut first_err = None;
     for p in [Precision::F32, Precision::BF16] {
         let config = ResNetConfig {
@@ -74,34 +80,52 @@ pub fn resolve(req: &PlanRequest<'_>) -> Result<Resolved> {
         };
         match resolve_for(req, &config) {
             Ok(r) => {
-                let better = match &best {
-                    None => true,
-                    // Only `auto` can gain from bf16 once fp32 fits.
-                    Some(b) => {
-                        req.strategy == Strategy::Auto
-                            && (r.micro_batch > b.micro_batch
-                                || (r.micro_batch == b.micro_batch
-                                    && r.costs.recompute_seconds(&r.plan)
-                                        < b.costs.recompute_seconds(&b.plan)))
-                    }
+                let c = &r.costs;
+                // Measured stage times are this precision's own.
+                let speed = if p == Precision::BF16 && !c.is_calibrated() {
+                    ratio
+                } else {
+                    1.0
                 };
-                if better {
-                    best = Some(r);
-                }
-                if req.strategy != Strategy::Auto {
-                    break; // fp32 fits: keep it
-                }
+                let t = seconds_per_image(
+                    c.step_seconds(),
+                    c.recompute_seconds(&r.plan),
+                    r.micro_batch,
+                    speed,
+                );
+                fits.push((r, t));
             }
             Err(e) => {
                 first_err.get_or_insert(e);
             }
         }
     }
-    match (best, first_err) {
-        (Some(b), _) => Ok(b),
-        (None, Some(e)) => Err(e),
-        (None, None) => unreachable!("two precisions were tried"),
-    }
+    let times: Vec<(Precision, f64)> = fits.iter().map(|(r, t)| (r.precision, *t)).collect();
+    // fp32 first: a tie keeps it.
+    let Some((mut best, _)) = fits
+        .into_iter()
+        .reduce(|a, b| if b.1 < a.1 { b } else { a })
+    else {
+        return Err(first_err.expect("two precisions were tried"));
+    };
+    let detail = match times.as_slice() {
+        [(_, f32_t), (_, bf16_t)] => format!(
+            "both fit; bf16 modelled at {:.2} of fp32's time per image",
+            bf16_t / f32_t
+        ),
+        [(p, _)] => format!("only {p} fits"),
+        _ => String::new(),
+    };
+    let rates = if best.costs.is_calibrated() {
+        "stage times measured in each precision".to_string()
+    } else {
+        format!("bf16 at {ratio:.2} of fp32's time: {why}")
+    };
+    best.precision_choice = Some(format!(
+        "precision auto: {} ({detail}; {rates})",
+        best.precision
+    ));
+    Ok(best)
 }
 
 fn resolve_for(req: &PlanRequest<'_>, config: &ResNetConfig) -> Result<Resolved> {
@@ -201,6 +225,7 @@ fn resolve_for(req: &PlanRequest<'_>, config: &ResNetConfig) -> Result<Resolved>
         micro_batch: micro,
         costs,
         predicted,
+        precision_choice: None,
     })
 }
 
@@ -218,6 +243,9 @@ pub fn report(r: &Resolved, batch: usize) -> String {
         r.precision,
         r.plan
     );
+    if let Some(why) = &r.precision_choice {
+        let _ = writeln!(s, "{why}");
+    }
     if r.recompute_bn_relu {
         let _ = writeln!(
             s,
