@@ -16,6 +16,8 @@
 
 #![cfg(any(feature = "cuda", feature = "cuda-12"))]
 
+mod common;
+
 use memfit::device::{Device, Target, cuda};
 use memfit::exec::Plan;
 use memfit::memory::{Category, Pool, Tag};
@@ -73,19 +75,9 @@ fn driver_bytes() -> (usize, bool) {
 }
 
 fn gpu() -> Option<Pool> {
-    match cuda::probe(0) {
-        Ok(info) => {
-            println!("running on {info}");
-            Some(Pool::on(Device::Cuda(0)))
-        }
-        Err(m) if std::env::var("MEMFIT_REQUIRE_GPU").as_deref() == Ok("1") => {
-            panic!("MEMFIT_REQUIRE_GPU=1 but no usable CUDA device: {m}")
-        }
-        Err(m) => {
-            println!("skipped: no CUDA device ({m})");
-            None
-        }
-    }
+    let info = common::cuda_device()?;
+    println!("running on {info}");
+    Some(Pool::on(Device::Cuda(0)))
 }
 
 #[test]

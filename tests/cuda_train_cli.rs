@@ -26,16 +26,7 @@ use memfit::io::{RawData, TensorFile};
 /// The probe's description of GPU 0, or None (with the skip line); a
 /// failure under `MEMFIT_REQUIRE_GPU=1`.
 fn gpu() -> Option<String> {
-    match memfit::device::cuda::probe(0) {
-        Ok(info) => Some(info.to_string()),
-        Err(m) if std::env::var("MEMFIT_REQUIRE_GPU").as_deref() == Ok("1") => {
-            panic!("MEMFIT_REQUIRE_GPU=1 but no usable CUDA device: {m}")
-        }
-        Err(m) => {
-            println!("skipped: no CUDA device ({m})");
-            None
-        }
-    }
+    common::cuda_device()
 }
 
 /// One step's line of `--metrics-jsonl`: the loss and the scaler's decision.

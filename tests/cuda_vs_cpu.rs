@@ -24,8 +24,10 @@
 
 #![cfg(any(feature = "cuda", feature = "cuda-12"))]
 
+mod common;
+
 use memfit::backend::{self, ConvPass};
-use memfit::device::{CUDA_BACKEND_COMPLETE, Device, Target, cuda};
+use memfit::device::{CUDA_BACKEND_COMPLETE, Device, Target};
 use memfit::exec::{LossOptions, Plan, forward_backward, forward_eval};
 use memfit::memory::{Category, Pool, Tag};
 use memfit::nn::{BlockKind, ResNet, ResNetConfig, StateSlot, StemKind};
@@ -36,19 +38,9 @@ use memfit::tensor::{DType, Precision, Tensor};
 /// failure instead under `MEMFIT_REQUIRE_GPU=1`, so a GPU check whose
 /// libraries are not found cannot pass by skipping.
 fn gpu() -> Option<Pool> {
-    match cuda::probe(0) {
-        Ok(info) => {
-            println!("running on {info}");
-            Some(Pool::on(Device::Cuda(0)))
-        }
-        Err(m) if std::env::var("MEMFIT_REQUIRE_GPU").as_deref() == Ok("1") => {
-            panic!("MEMFIT_REQUIRE_GPU=1 but no usable CUDA device: {m}")
-        }
-        Err(m) => {
-            println!("skipped: no CUDA device ({m})");
-            None
-        }
-    }
+    let info = common::cuda_device()?;
+    println!("running on {info}");
+    Some(Pool::on(Device::Cuda(0)))
 }
 
 /// Deterministic values in [-2, 2) with some exact zeros.

@@ -163,3 +163,20 @@ pub fn assert_clean_error(args: &[&str], needle: &str) {
     );
     assert_no_panic(&format!("{args:?}"), &err);
 }
+
+/// The probe line of CUDA device 0, or None (and a skip line) without a
+/// usable device; a panic instead under `MEMFIT_REQUIRE_GPU=1`, so a GPU
+/// check whose libraries are not found cannot pass by skipping.
+#[cfg(any(feature = "cuda", feature = "cuda-12"))]
+pub fn cuda_device() -> Option<String> {
+    match memfit::device::cuda::probe(0) {
+        Ok(info) => Some(info.to_string()),
+        Err(m) if std::env::var("MEMFIT_REQUIRE_GPU").as_deref() == Ok("1") => {
+            panic!("MEMFIT_REQUIRE_GPU=1 but no usable CUDA device: {m}")
+        }
+        Err(m) => {
+            println!("skipped: no CUDA device ({m})");
+            None
+        }
+    }
+}
