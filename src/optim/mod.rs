@@ -52,11 +52,44 @@ impl Optimizer {
         }
     }
 
+    /// Allocates the state buffers (zeros) now, if they are not there
+    /// yet; the first step then finds them. A training loop calls this
+    /// before its first forward: allocated at the first step instead, they
+    /// land in the space the backward just freed, and the next step's
+    /// activations no longer fit the free blocks they had (the pool grew
+    /// for a few steps). The updates are unchanged: the first SGD step
+    /// still sets `buf = g`, and AdamW's moments start at zero either way.
+    pub fn allocate_state(&mut self, pool: &Pool, model: &mut ResNet) -> Result<()> {
+        let mut dims = Vec::new();
+        model.visit_params(|p| dims.push(p.value.dims().to_vec()));
+        let zeros = |tag| -> Result<Vec<Tensor>> {
+            dims.iter()
+                .map(|d| pool.zeros_f32(d, Category::Optimizer, Tag::fixed(tag)))
+                .collect()
+        };
+        match self {
+            Optimizer::Sgd(o) if o.momentum != 0.0 && o.buffers.is_empty() => {
+                o.buffers = zeros("sgd.momentum")?;
+                o.first_pending = true;
+            }
+            Optimizer::AdamW(o) if o.exp_avg.is_empty() => {
+                o.exp_avg = zeros("adamw.exp_avg")?;
+                o.exp_avg_sq = zeros("adamw.exp_avg_sq")?;
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
     /// The state a resumed run needs: every buffer, named
     /// `optimizer.<kind>.<index>` (index = parameter visit order), and the
     /// step count (AdamW's bias correction; 0 for SGD).
     pub fn state(&self) -> (Vec<(String, &Tensor)>, u64) {
         match self {
+            // Buffers allocated before the first step hold nothing yet:
+            // saved as none, as before they existed.
+            Optimizer::Sgd(o) if o.first_pending => (Vec::new(), 0),
+            Optimizer::AdamW(o) if o.t == 0 => (Vec::new(), 0),
             Optimizer::Sgd(o) => (
                 o.buffers
                     .iter()
@@ -145,6 +178,9 @@ pub struct Sgd {
     pub weight_decay: f32,
     pub nesterov: bool,
     pub(crate) buffers: Vec<Tensor>, // one per parameter, in visit order; created on the first step
+    /// The buffers exist ([`Optimizer::allocate_state`]) but no step has
+    /// run: the next one sets `buf = g`.
+    first_pending: bool,
 }
 
 impl Sgd {
@@ -155,6 +191,7 @@ impl Sgd {
             weight_decay,
             nesterov,
             buffers: Vec::new(),
+            first_pending: false,
         }
     }
 
@@ -164,7 +201,8 @@ impl Sgd {
     }
 
     pub fn step(&mut self, pool: &Pool, model: &mut ResNet) -> Result<()> {
-        let first = self.buffers.is_empty() && self.momentum != 0.0;
+        let allocate = self.buffers.is_empty() && self.momentum != 0.0;
+        let first = allocate || (self.first_pending && self.momentum != 0.0);
         let mut err = None;
         let mut i = 0;
         let (lr, mu, wd, nesterov) = (self.lr, self.momentum, self.weight_decay, self.nesterov);
@@ -173,7 +211,7 @@ impl Sgd {
             if err.is_some() {
                 return;
             }
-            if first {
+            if allocate {
                 match pool.zeros_f32(
                     p.value.dims(),
                     Category::Optimizer,
@@ -203,6 +241,9 @@ impl Sgd {
             }
             i += 1;
         });
+        if err.is_none() {
+            self.first_pending = false;
+        }
         err.map_or(Ok(()), Err)
     }
 }

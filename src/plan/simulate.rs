@@ -70,6 +70,8 @@ impl<'a> Simulation<'a> {
         model.set_bn_policy(self.bn);
         model.check_image_size(self.image_size, self.image_size)?;
         let mut opt = self.optimizer.fresh();
+        // As `train::TrainStep`, before the first forward.
+        opt.allocate_state(&pool, &mut model)?;
         let labels = vec![0; self.micro_batch];
         let mut buckets = None;
         // As `train::TrainStep`: without a loss scaler the step holds a

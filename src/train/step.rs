@@ -109,6 +109,8 @@ impl TrainStep {
         inject_inf: bool,
     ) -> Result<StepReport> {
         let n = window;
+        // Before the first forward: see Optimizer::allocate_state.
+        optimizer.allocate_state(pool, model)?;
         model.zero_grad();
         // Without a scaler a non-finite step is dropped or stops the run;
         // the forward has already moved the BN running statistics by then,
