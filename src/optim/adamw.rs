@@ -1,8 +1,9 @@
 //! AdamW (`torch.optim.AdamW`, decoupled weight decay, `amsgrad=False`).
 
+use super::zeros_like_params;
 use crate::backend;
 use crate::error::Result;
-use crate::memory::{Category, Pool, Tag};
+use crate::memory::Pool;
 use crate::nn::ResNet;
 use crate::tensor::Tensor;
 
@@ -49,8 +50,22 @@ impl AdamW {
         self.t
     }
 
+    /// The moments (zeros), if they are not there yet
+    /// ([`Optimizer::allocate_state`](super::Optimizer::allocate_state)).
+    pub(crate) fn allocate_state(&mut self, pool: &Pool, model: &mut ResNet) -> Result<()> {
+        if self.exp_avg.is_empty() {
+            self.exp_avg = zeros_like_params(pool, model, "adamw.exp_avg")?;
+            self.exp_avg_sq = zeros_like_params(pool, model, "adamw.exp_avg_sq")?;
+        }
+        Ok(())
+    }
+
     pub fn step(&mut self, pool: &Pool, model: &mut ResNet) -> Result<()> {
-        let first = self.exp_avg.is_empty();
+        let first = self.t == 0;
+        if let Err(e) = self.allocate_state(pool, model) {
+            self.exp_avg.clear();
+            return Err(e);
+        }
         let mut err = None;
         let mut i = 0;
         let t = self.t + 1;
@@ -59,20 +74,6 @@ impl AdamW {
         model.visit_params(|p| {
             if err.is_some() {
                 return;
-            }
-            if first {
-                let dims = p.value.dims();
-                let alloc = |tag| pool.zeros_f32(dims, Category::Optimizer, Tag::fixed(tag));
-                match (alloc("adamw.exp_avg"), alloc("adamw.exp_avg_sq")) {
-                    (Ok(m), Ok(v)) => {
-                        ms.push(m);
-                        vs.push(v);
-                    }
-                    (Err(e), _) | (_, Err(e)) => {
-                        err = Some(e);
-                        return;
-                    }
-                }
             }
             if p.frozen {
                 i += 1;
@@ -111,6 +112,7 @@ impl AdamW {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::memory::Category;
     use crate::nn::ResNetConfig;
     use crate::ops::optim_update::adamw_update;
 

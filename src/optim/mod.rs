@@ -60,25 +60,10 @@ impl Optimizer {
     /// for a few steps). The updates are unchanged: the first SGD step
     /// still sets `buf = g`, and AdamW's moments start at zero either way.
     pub fn allocate_state(&mut self, pool: &Pool, model: &mut ResNet) -> Result<()> {
-        let mut dims = Vec::new();
-        model.visit_params(|p| dims.push(p.value.dims().to_vec()));
-        let zeros = |tag| -> Result<Vec<Tensor>> {
-            dims.iter()
-                .map(|d| pool.zeros_f32(d, Category::Optimizer, Tag::fixed(tag)))
-                .collect()
-        };
         match self {
-            Optimizer::Sgd(o) if o.momentum != 0.0 && o.buffers.is_empty() => {
-                o.buffers = zeros("sgd.momentum")?;
-                o.first_pending = true;
-            }
-            Optimizer::AdamW(o) if o.exp_avg.is_empty() => {
-                o.exp_avg = zeros("adamw.exp_avg")?;
-                o.exp_avg_sq = zeros("adamw.exp_avg_sq")?;
-            }
-            _ => {}
+            Optimizer::Sgd(o) => o.allocate_state(pool, model),
+            Optimizer::AdamW(o) => o.allocate_state(pool, model),
         }
-        Ok(())
     }
 
     /// The state a resumed run needs: every buffer, named
@@ -168,6 +153,20 @@ impl Optimizer {
     }
 }
 
+/// A zero f32 tensor shaped like each parameter, in visit order, from the
+/// pool as [`Category::Optimizer`] under `tag`: an optimizer's state.
+pub(crate) fn zeros_like_params(
+    pool: &Pool,
+    model: &mut ResNet,
+    tag: &'static str,
+) -> Result<Vec<Tensor>> {
+    let mut dims = Vec::new();
+    model.visit_params(|p| dims.push(p.value.dims().to_vec()));
+    dims.iter()
+        .map(|d| pool.zeros_f32(d, Category::Optimizer, Tag::fixed(tag)))
+        .collect()
+}
+
 /// SGD with PyTorch's exact update:
 /// `g = grad + wd·p`; `buf = g` on the first step, else `buf = μ·buf + g`
 /// (dampening 0); `g = g + μ·buf` if Nesterov else `buf`; `p -= lr·g`.
@@ -200,9 +199,19 @@ impl Sgd {
         self.lr = lr;
     }
 
+    /// The momentum buffers, if momentum is on and they are not there yet
+    /// ([`Optimizer::allocate_state`]).
+    fn allocate_state(&mut self, pool: &Pool, model: &mut ResNet) -> Result<()> {
+        if self.momentum != 0.0 && self.buffers.is_empty() {
+            self.buffers = zeros_like_params(pool, model, "sgd.momentum")?;
+            self.first_pending = true;
+        }
+        Ok(())
+    }
+
     pub fn step(&mut self, pool: &Pool, model: &mut ResNet) -> Result<()> {
-        let allocate = self.buffers.is_empty() && self.momentum != 0.0;
-        let first = allocate || (self.first_pending && self.momentum != 0.0);
+        self.allocate_state(pool, model)?;
+        let first = self.first_pending;
         let mut err = None;
         let mut i = 0;
         let (lr, mu, wd, nesterov) = (self.lr, self.momentum, self.weight_decay, self.nesterov);
@@ -210,19 +219,6 @@ impl Sgd {
         model.visit_params(|p| {
             if err.is_some() {
                 return;
-            }
-            if allocate {
-                match pool.zeros_f32(
-                    p.value.dims(),
-                    Category::Optimizer,
-                    Tag::fixed("sgd.momentum"),
-                ) {
-                    Ok(t) => buffers.push(t),
-                    Err(e) => {
-                        err = Some(e);
-                        return;
-                    }
-                }
             }
             if p.frozen {
                 i += 1;
