@@ -46,10 +46,22 @@ pub fn parse_precision(s: &str) -> Result<Option<Precision>> {
 /// bf16 dot products; elsewhere its GEMMs are f32 products of rounded
 /// operands. The note a command prints once (on stderr) so that a user
 /// comparing speeds knows why; None where it does not apply.
-pub fn bf16_emulation_note(precision: Precision) -> Option<&'static str> {
-    (precision == Precision::BF16 && !Device::Cpu.capabilities().native_bf16).then_some(
-        "note: this CPU has no AVX512-BF16, so bf16 GEMMs run as f32 products of bf16-rounded operands: the memory saving holds, the speed-up does not",
-    )
+pub fn bf16_emulation_note(precision: Precision) -> Option<String> {
+    use crate::device::cpu::{Bf16Path, bf16_path_kind, dot_to_fma_rate};
+    if precision != Precision::BF16 || bf16_path_kind() != Bf16Path::F32 {
+        return None;
+    }
+    use crate::device::cpu::{BF16_PATH_VAR, MIN_DOT_TO_FMA_RATE};
+    let why = match dot_to_fma_rate() {
+        None => "this CPU has no AVX512-BF16".to_string(),
+        Some(rate) if rate >= MIN_DOT_TO_FMA_RATE => format!("{BF16_PATH_VAR}=f32 is set"),
+        Some(rate) => format!(
+            "this CPU's vdpbf16ps runs at {rate:.2}x the f32 FMA's flop rate, below the f32 GEMM's speed"
+        ),
+    };
+    Some(format!(
+        "note: {why}, so bf16 GEMMs run as f32 products of bf16-rounded operands: the memory saving holds, a speed-up over fp32 does not"
+    ))
 }
 
 /// The micro-batch asked for: `micro_batch`, or a `batch` split into

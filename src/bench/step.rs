@@ -208,7 +208,7 @@ pub fn measure_steps_on(
         outln!(
             out,
             "cpu bf16 arithmetic: {}",
-            crate::device::cpu::bf16_path()
+            crate::device::cpu::bf16_path_report()
         );
     }
     if let Some(note) = bf16_emulation_note(resolved.precision).filter(|_| comm.is_root()) {

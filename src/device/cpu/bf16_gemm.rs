@@ -74,6 +74,126 @@ pub fn available() -> bool {
     })
 }
 
+/// Loop trips per timing, each 16 instructions on independent accumulators
+/// (more than latency × issue rate on the CPUs we know): about 0.05 ms of
+/// `vfmadd`.
+const RATE_TRIPS: usize = 16_384;
+
+/// `vdpbf16ps`'s f32 flop rate over `vfmadd231ps`'s on this core (each on
+/// zmm registers, independent chains; `vdpbf16ps` counts 64 flops, two
+/// products and two additions per lane, `vfmadd231ps` 32), the best of a
+/// few short trials of each, alternated. About 2 ms.
+///
+/// The CPUID bit says the instruction exists, not that it is fast: on the
+/// 2-core Intel Xeon (AVX512-BF16 and AVX512-FP16, no AMX) of 2026-12-07
+/// `vdpbf16ps` retired 1.40 G/s against the FMA's 5.59 G/s, 0.50 of its
+/// flop rate,
+/// where the AMD EPYC of the earlier sessions ran it at twice the FMA's.
+///
+/// Panics when the CPU lacks the instructions ([`available`]).
+pub(super) fn dot_to_fma_rate() -> f64 {
+    assert!(available(), "dot_to_fma_rate: CPU lacks AVX512-BF16");
+    let time = |f: &dyn Fn() -> f32| {
+        let start = std::time::Instant::now();
+        std::hint::black_box(f());
+        start.elapsed().as_secs_f64()
+    };
+    let (mut dot, mut fma) = (f64::INFINITY, f64::INFINITY);
+    for _ in 0..5 {
+        // SAFETY: `available()` was asserted.
+        dot = dot.min(time(&|| unsafe { dot_chains(RATE_TRIPS) }));
+        // SAFETY: as above.
+        fma = fma.min(time(&|| unsafe { fma_chains(RATE_TRIPS) }));
+    }
+    // Per instruction the dot product is twice the FMA's flops.
+    2.0 * fma / dot
+}
+
+/// `trips` × 16 `vdpbf16ps` on register operands, written in
+/// assembly: left to LLVM, the same loop of intrinsics spilled and rotated
+/// its accumulators, and timed the shuffles instead.
+///
+/// # Safety
+/// The CPU must have AVX-512F and AVX512-BF16.
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn dot_chains(trips: usize) -> f32 {
+    let a = _mm512_set1_epi32(std::hint::black_box(0x3f80_3f80));
+    let b = _mm512_set1_epi32(std::hint::black_box(0x2000_2000));
+    let out: __m512;
+    // SAFETY: registers only; the caller guarantees the instructions.
+    unsafe {
+        std::arch::asm!(
+            "vxorps xmm0, xmm0, xmm0", "vxorps xmm1, xmm1, xmm1", "vxorps xmm2, xmm2, xmm2",
+            "vxorps xmm3, xmm3, xmm3", "vxorps xmm4, xmm4, xmm4", "vxorps xmm5, xmm5, xmm5",
+            "vxorps xmm6, xmm6, xmm6", "vxorps xmm7, xmm7, xmm7", "vxorps xmm8, xmm8, xmm8",
+            "vxorps xmm9, xmm9, xmm9", "vxorps xmm10, xmm10, xmm10", "vxorps xmm11, xmm11, xmm11",
+            "vxorps xmm12, xmm12, xmm12", "vxorps xmm13, xmm13, xmm13", "vxorps xmm14, xmm14, xmm14",
+            "vxorps xmm15, xmm15, xmm15",
+            "2:",
+            "vdpbf16ps zmm0, zmm16, zmm17", "vdpbf16ps zmm1, zmm16, zmm17",
+            "vdpbf16ps zmm2, zmm16, zmm17", "vdpbf16ps zmm3, zmm16, zmm17",
+            "vdpbf16ps zmm4, zmm16, zmm17", "vdpbf16ps zmm5, zmm16, zmm17",
+            "vdpbf16ps zmm6, zmm16, zmm17", "vdpbf16ps zmm7, zmm16, zmm17",
+            "vdpbf16ps zmm8, zmm16, zmm17", "vdpbf16ps zmm9, zmm16, zmm17",
+            "vdpbf16ps zmm10, zmm16, zmm17", "vdpbf16ps zmm11, zmm16, zmm17",
+            "vdpbf16ps zmm12, zmm16, zmm17", "vdpbf16ps zmm13, zmm16, zmm17",
+            "vdpbf16ps zmm14, zmm16, zmm17", "vdpbf16ps zmm15, zmm16, zmm17",
+            "dec {n}",
+            "jnz 2b",
+            n = inout(reg) trips.max(1) => _,
+            in("zmm16") a, in("zmm17") b,
+            out("zmm0") out, out("zmm1") _, out("zmm2") _, out("zmm3") _,
+            out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
+            out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
+            out("zmm12") _, out("zmm13") _, out("zmm14") _, out("zmm15") _,
+            options(nostack, nomem),
+        );
+    }
+    _mm512_reduce_add_ps(out)
+}
+
+/// `trips` × 16 `vfmadd231ps` on register operands (in
+/// assembly, as [`dot_chains`]).
+///
+/// # Safety
+/// The CPU must have AVX-512F.
+#[target_feature(enable = "avx512f")]
+unsafe fn fma_chains(trips: usize) -> f32 {
+    let a = _mm512_set1_ps(std::hint::black_box(1.0));
+    let b = _mm512_set1_ps(std::hint::black_box(1e-20));
+    let out: __m512;
+    // SAFETY: registers only; the caller guarantees the instructions.
+    unsafe {
+        std::arch::asm!(
+            "vxorps xmm0, xmm0, xmm0", "vxorps xmm1, xmm1, xmm1", "vxorps xmm2, xmm2, xmm2",
+            "vxorps xmm3, xmm3, xmm3", "vxorps xmm4, xmm4, xmm4", "vxorps xmm5, xmm5, xmm5",
+            "vxorps xmm6, xmm6, xmm6", "vxorps xmm7, xmm7, xmm7", "vxorps xmm8, xmm8, xmm8",
+            "vxorps xmm9, xmm9, xmm9", "vxorps xmm10, xmm10, xmm10", "vxorps xmm11, xmm11, xmm11",
+            "vxorps xmm12, xmm12, xmm12", "vxorps xmm13, xmm13, xmm13", "vxorps xmm14, xmm14, xmm14",
+            "vxorps xmm15, xmm15, xmm15",
+            "2:",
+            "vfmadd231ps zmm0, zmm16, zmm17", "vfmadd231ps zmm1, zmm16, zmm17",
+            "vfmadd231ps zmm2, zmm16, zmm17", "vfmadd231ps zmm3, zmm16, zmm17",
+            "vfmadd231ps zmm4, zmm16, zmm17", "vfmadd231ps zmm5, zmm16, zmm17",
+            "vfmadd231ps zmm6, zmm16, zmm17", "vfmadd231ps zmm7, zmm16, zmm17",
+            "vfmadd231ps zmm8, zmm16, zmm17", "vfmadd231ps zmm9, zmm16, zmm17",
+            "vfmadd231ps zmm10, zmm16, zmm17", "vfmadd231ps zmm11, zmm16, zmm17",
+            "vfmadd231ps zmm12, zmm16, zmm17", "vfmadd231ps zmm13, zmm16, zmm17",
+            "vfmadd231ps zmm14, zmm16, zmm17", "vfmadd231ps zmm15, zmm16, zmm17",
+            "dec {n}",
+            "jnz 2b",
+            n = inout(reg) trips.max(1) => _,
+            in("zmm16") a, in("zmm17") b,
+            out("zmm0") out, out("zmm1") _, out("zmm2") _, out("zmm3") _,
+            out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
+            out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
+            out("zmm12") _, out("zmm13") _, out("zmm14") _, out("zmm15") _,
+            options(nostack, nomem),
+        );
+    }
+    _mm512_reduce_add_ps(out)
+}
+
 /// f32 to bf16 bits (round to nearest even), widened to a word.
 #[inline]
 fn bf16_bits(v: f32) -> u32 {

@@ -55,30 +55,45 @@ impl Bf16Path {
 /// (unset, empty or `auto`: the fastest the CPU has).
 pub const BF16_PATH_VAR: &str = "MEMFIT_CPU_BF16";
 
+/// The least `vdpbf16ps` flop rate, as a multiple of the f32 FMA's, at
+/// which the AVX512-BF16 kernel is the automatic path. Below it the f32
+/// GEMM on bf16-rounded operands is faster: on the Intel Xeon of
+/// 2026-12-07 (rate 0.50) our kernel reached 0.82 of `vdpbf16ps`'s peak and
+/// the `gemm` crate 0.6 of the FMA's, a break-even near 0.73, and a
+/// ResNet-50 bf16 step took 3.43 s on the kernel against 2.53 s on the f32
+/// GEMM. CPUs that run it at twice the FMA's rate (AMD Zen 4) are far above.
+pub const MIN_DOT_TO_FMA_RATE: f64 = 0.8;
+
 /// The path for a `MEMFIT_CPU_BF16` value on a CPU with (`amx`,
 /// `avx512bf16`) of the instructions, and the warning to print when the
-/// request cannot be honoured. An unknown value, or a path this CPU lacks,
-/// is not an error: the warning names it and the automatic choice runs
-/// (a forced path is a benchmarking aid, and falling back changes speed,
-/// never results beyond the stated tolerances).
+/// request cannot be honoured. `dot_rate` measures `vdpbf16ps`'s flop rate
+/// against the f32 FMA's; it is called only when the automatic choice
+/// rests on it (AVX512-BF16 without AMX). An unknown value, or a path this
+/// CPU lacks, is not an error: the warning names it and the automatic
+/// choice runs (a forced path is a benchmarking aid, and falling back
+/// changes speed, never results beyond the stated tolerances).
 pub fn choose_bf16_path(
     request: Option<&str>,
     amx: bool,
     avx512bf16: bool,
+    dot_rate: &dyn Fn() -> f64,
 ) -> (Bf16Path, Option<String>) {
-    let auto = if amx {
-        Bf16Path::Amx
-    } else if avx512bf16 {
-        Bf16Path::Avx512Bf16
-    } else {
-        Bf16Path::F32
+    let auto = || {
+        if amx {
+            Bf16Path::Amx
+        } else if avx512bf16 && dot_rate() >= MIN_DOT_TO_FMA_RATE {
+            Bf16Path::Avx512Bf16
+        } else {
+            Bf16Path::F32
+        }
     };
     let wanted = match request.map(str::trim) {
-        None | Some("") | Some("auto") => return (auto, None),
+        None | Some("") | Some("auto") => return (auto(), None),
         Some("amx") => Bf16Path::Amx,
         Some("avx512bf16") => Bf16Path::Avx512Bf16,
         Some("f32") => Bf16Path::F32,
         Some(other) => {
+            let auto = auto();
             return (
                 auto,
                 Some(format!(
@@ -96,6 +111,7 @@ pub fn choose_bf16_path(
     if present {
         (wanted, None)
     } else {
+        let auto = auto();
         let warning = format!(
             "warning: {BF16_PATH_VAR}={}: this CPU (or OS) does not run it; using {}",
             wanted.name(),
@@ -105,7 +121,21 @@ pub fn choose_bf16_path(
     }
 }
 
-/// The bf16 path of this process: chosen once, from the CPU and
+/// `vdpbf16ps`'s measured flop rate over the f32 FMA's on this CPU, once
+/// per process; `None` without AVX512-BF16.
+pub fn dot_to_fma_rate() -> Option<f64> {
+    static RATE: OnceLock<Option<f64>> = OnceLock::new();
+    *RATE.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        let rate = bf16_gemm::available().then(bf16_gemm::dot_to_fma_rate);
+        #[cfg(not(target_arch = "x86_64"))]
+        let rate = None;
+        rate
+    })
+}
+
+/// The bf16 path of this process: chosen once, from the CPU (its
+/// instructions and, for AVX512-BF16, their measured speed) and
 /// `MEMFIT_CPU_BF16` (a warning on stderr the first time when that cannot
 /// be honoured, [`choose_bf16_path`]).
 pub fn bf16_path_kind() -> Bf16Path {
@@ -116,12 +146,27 @@ pub fn bf16_path_kind() -> Bf16Path {
         #[cfg(not(target_arch = "x86_64"))]
         let (amx, avx) = (false, false);
         let request = std::env::var(BF16_PATH_VAR).ok();
-        let (path, warning) = choose_bf16_path(request.as_deref(), amx, avx);
+        let rate = || dot_to_fma_rate().unwrap_or(0.0);
+        let (path, warning) = choose_bf16_path(request.as_deref(), amx, avx, &rate);
         if let Some(w) = warning {
             eprintln!("{w}");
         }
         path
     })
+}
+
+/// The path and why, as `bench step` prints it: [`bf16_path`], and where
+/// the CPU has AVX512-BF16, `vdpbf16ps`'s measured flop rate against the
+/// f32 FMA's (what chose between the two when there is no AMX).
+pub fn bf16_path_report() -> String {
+    let path = bf16_path();
+    match dot_to_fma_rate() {
+        Some(rate) => format!(
+            "{path}; vdpbf16ps measured at {rate:.2}x the f32 FMA's flop rate here \
+             (the AVX512-BF16 kernel runs by default from {MIN_DOT_TO_FMA_RATE}x)"
+        ),
+        None => path.to_string(),
+    }
 }
 
 /// [`bf16_path_kind`] in words, e.g. `amx (tdpbf16ps)`.
@@ -298,12 +343,45 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_dot_product_rate_is_measured_sanely() {
+        // Whatever this CPU is, a rate is a positive finite number, and
+        // twice-measured rates agree to within a factor of two (the two
+        // kinds of CPU we know sit at 0.5 and 2, far from the threshold).
+        if let Some(rate) = dot_to_fma_rate() {
+            assert!(rate.is_finite() && rate > 0.05 && rate < 20.0, "{rate}");
+            #[cfg(target_arch = "x86_64")]
+            {
+                let again = bf16_gemm::dot_to_fma_rate();
+                assert!(
+                    again / rate < 2.0 && rate / again < 2.0,
+                    "{rate} vs {again}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn the_bf16_path_follows_the_cpu_and_the_env_var() {
         use Bf16Path::*;
-        let pick = |req, amx, avx| choose_bf16_path(req, amx, avx);
+        let fast = || 2.0;
+        let pick = |req, amx, avx| choose_bf16_path(req, amx, avx, &fast);
         assert_eq!(pick(None, true, true), (Amx, None));
         assert_eq!(pick(Some("auto"), false, true), (Avx512Bf16, None));
         assert_eq!(pick(None, false, false), (F32, None));
+        // AVX512-BF16 whose dot products are slower than the f32 FMA's:
+        // the f32 GEMM, unless forced.
+        let slow = || 0.5;
+        let pick_slow = |req, amx| choose_bf16_path(req, amx, true, &slow);
+        assert_eq!(pick_slow(None, false), (F32, None));
+        assert_eq!(pick_slow(None, true), (Amx, None));
+        assert_eq!(pick_slow(Some("avx512bf16"), false), (Avx512Bf16, None));
+        // The rate is measured only when the choice rests on it.
+        let unmeasured = || -> f64 { panic!("measured") };
+        assert_eq!(choose_bf16_path(None, true, true, &unmeasured), (Amx, None));
+        assert_eq!(
+            choose_bf16_path(Some("f32"), false, true, &unmeasured),
+            (F32, None)
+        );
         assert_eq!(pick(Some("avx512bf16"), true, true), (Avx512Bf16, None));
         assert_eq!(pick(Some("f32"), true, true), (F32, None));
         // What the CPU cannot run, or a typo: the automatic path, warned.
