@@ -3,12 +3,12 @@
 //! kernels under `crate::device::cpu`). Element types are dispatched here,
 //! so the layers above never see a slice.
 
-use half::f16;
-use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
 use super::LossOutput;
-use crate::device::cpu::{GemmMath, bf16_to_f32_par, f32_to_bf16_par, round_to_bf16};
+use crate::device::cpu::{
+    GemmMath, bf16_to_f32_par, f16_to_f32, f32_to_bf16_par, f32_to_f16, round_to_bf16, round_to_f16,
+};
 use crate::error::Result;
 use crate::ops::batchnorm::{self as bn, BnOut};
 use crate::ops::conv2d::{self, ConvGeom, ConvInput};
@@ -51,14 +51,6 @@ impl Precision {
             Precision::F16 => Some(round_to_f16),
         }
     }
-}
-
-/// `v[i] = f32(f16(v[i]))`; the slice conversions use F16C when the CPU
-/// has it.
-fn round_to_f16(v: &mut [f32]) {
-    let mut tmp = vec![f16::ZERO; v.len()];
-    tmp.convert_from_f32_slice(v);
-    tmp.convert_to_f32_slice(v);
 }
 
 /// The convolution kernels' view of `x`: f32, or bf16 words read in place.
@@ -448,8 +440,8 @@ pub(super) fn widen(dst: &mut Tensor, src: &Tensor) {
         DType::BF16 => bf16_to_f32_par(d, bytemuck::cast_slice(src.bf16())),
         DType::F16 => d
             .par_chunks_mut(CHUNK)
-            .zip(src.f16().par_chunks(CHUNK))
-            .for_each(|(d, s)| s.convert_to_f32_slice(d)),
+            .zip(bytemuck::cast_slice::<_, u16>(src.f16()).par_chunks(CHUNK))
+            .for_each(|(d, s)| f16_to_f32(d, s)),
         DType::F32 => d.copy_from_slice(src.f32()),
         other => panic!("{}: cannot widen {other:?} to f32", src.tag()),
     }
@@ -459,11 +451,10 @@ pub(super) fn narrow(dst: &mut Tensor, src: &Tensor) {
     let s = src.f32();
     match dst.dtype() {
         DType::BF16 => f32_to_bf16_par(bytemuck::cast_slice_mut(dst.bf16_mut()), s),
-        DType::F16 => dst
-            .f16_mut()
+        DType::F16 => bytemuck::cast_slice_mut::<_, u16>(dst.f16_mut())
             .par_chunks_mut(CHUNK)
             .zip(s.par_chunks(CHUNK))
-            .for_each(|(d, s)| d.convert_from_f32_slice(s)),
+            .for_each(|(d, s)| f32_to_f16(d, s)),
         other => panic!("{}: cannot narrow f32 to {other:?}", dst.tag()),
     }
 }

@@ -6,6 +6,7 @@ mod amx;
 mod bf16_convert;
 #[cfg(target_arch = "x86_64")]
 mod bf16_gemm;
+mod f16_convert;
 mod gemm;
 
 use std::sync::OnceLock;
@@ -14,6 +15,7 @@ pub use self::bf16_convert::{
     bf16_bits_to_f32, bf16_to_f32, f32_to_bf16, f32_to_bf16_bits, pair_to_bf16, round_to_bf16,
 };
 
+pub use self::f16_convert::{f16_to_f32, f32_to_f16, round_to_f16};
 pub use self::gemm::{Accumulate, MatRef, gemm_f32};
 
 #[cfg(target_arch = "x86_64")]
