@@ -8,8 +8,10 @@
 //! step`, ResNet-50 at 128² and 224², batch 16, docs/results.md):
 //! - AMX (`tdpbf16ps`): 0.62–0.74 on a 2-core Xeon, taken as 0.68;
 //! - AVX512-BF16 (`vdpbf16ps`): 0.69–0.70 on a 2-core EPYC, taken as 0.70;
-//! - no bf16 instructions (f32 products of rounded operands, plus the
-//!   rounding passes): 1.04–1.12 on a 2-core Zen 3, taken as 1.08;
+//! - the f32 GEMM on rounded operands (no bf16 instructions, or a slow
+//!   `vdpbf16ps`), plus the rounding passes: 1.04–1.12 on a 2-core Zen 3,
+//!   1.03–1.09 on the 2-core Xeon whose `vdpbf16ps` runs at half the FMA's
+//!   rate, taken as 1.08;
 //! - a GPU with bf16 tensor cores: 0.47, PyTorch's bf16 autocast against
 //!   its TF32 fp32 on the H200 (4625 against 2190 img/s at batch 256,
 //!   ../shared/gpu/FACTS.md). memfit's own GPU speed has not been measured;
