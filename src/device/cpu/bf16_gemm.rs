@@ -109,9 +109,48 @@ pub(super) fn dot_to_fma_rate() -> f64 {
     2.0 * fma / dot
 }
 
-/// `trips` × 16 `vdpbf16ps` on register operands, written in
-/// assembly: left to LLVM, the same loop of intrinsics spilled and rotated
-/// its accumulators, and timed the shuffles instead.
+/// `trips` × 16 of the instruction `$op zmm_i, zmm16, zmm17` on 16 zeroed
+/// accumulators zmm0–zmm15, in assembly: left to LLVM, the same loop of
+/// intrinsics spilled and rotated its accumulators, and timed the shuffles
+/// instead. Evaluates to zmm0.
+macro_rules! chains {
+    ($op:literal, $trips:expr, $a:expr, $b:expr) => {{
+        let out: __m512;
+        // SAFETY: registers only; the caller guarantees the instruction.
+        unsafe {
+            std::arch::asm!(
+                "vxorps xmm0, xmm0, xmm0", "vxorps xmm1, xmm1, xmm1", "vxorps xmm2, xmm2, xmm2",
+                "vxorps xmm3, xmm3, xmm3", "vxorps xmm4, xmm4, xmm4", "vxorps xmm5, xmm5, xmm5",
+                "vxorps xmm6, xmm6, xmm6", "vxorps xmm7, xmm7, xmm7", "vxorps xmm8, xmm8, xmm8",
+                "vxorps xmm9, xmm9, xmm9", "vxorps xmm10, xmm10, xmm10",
+                "vxorps xmm11, xmm11, xmm11", "vxorps xmm12, xmm12, xmm12",
+                "vxorps xmm13, xmm13, xmm13", "vxorps xmm14, xmm14, xmm14",
+                "vxorps xmm15, xmm15, xmm15",
+                "2:",
+                concat!($op, " zmm0, zmm16, zmm17"), concat!($op, " zmm1, zmm16, zmm17"),
+                concat!($op, " zmm2, zmm16, zmm17"), concat!($op, " zmm3, zmm16, zmm17"),
+                concat!($op, " zmm4, zmm16, zmm17"), concat!($op, " zmm5, zmm16, zmm17"),
+                concat!($op, " zmm6, zmm16, zmm17"), concat!($op, " zmm7, zmm16, zmm17"),
+                concat!($op, " zmm8, zmm16, zmm17"), concat!($op, " zmm9, zmm16, zmm17"),
+                concat!($op, " zmm10, zmm16, zmm17"), concat!($op, " zmm11, zmm16, zmm17"),
+                concat!($op, " zmm12, zmm16, zmm17"), concat!($op, " zmm13, zmm16, zmm17"),
+                concat!($op, " zmm14, zmm16, zmm17"), concat!($op, " zmm15, zmm16, zmm17"),
+                "dec {n}",
+                "jnz 2b",
+                n = inout(reg) $trips.max(1) => _,
+                in("zmm16") $a, in("zmm17") $b,
+                out("zmm0") out, out("zmm1") _, out("zmm2") _, out("zmm3") _,
+                out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
+                out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
+                out("zmm12") _, out("zmm13") _, out("zmm14") _, out("zmm15") _,
+                options(nostack, nomem),
+            );
+        }
+        out
+    }};
+}
+
+/// `trips` × 16 `vdpbf16ps` on register operands ([`chains`]).
 ///
 /// # Safety
 /// The CPU must have AVX-512F and AVX512-BF16.
@@ -119,41 +158,10 @@ pub(super) fn dot_to_fma_rate() -> f64 {
 unsafe fn dot_chains(trips: usize) -> f32 {
     let a = _mm512_set1_epi32(std::hint::black_box(0x3f80_3f80));
     let b = _mm512_set1_epi32(std::hint::black_box(0x2000_2000));
-    let out: __m512;
-    // SAFETY: registers only; the caller guarantees the instructions.
-    unsafe {
-        std::arch::asm!(
-            "vxorps xmm0, xmm0, xmm0", "vxorps xmm1, xmm1, xmm1", "vxorps xmm2, xmm2, xmm2",
-            "vxorps xmm3, xmm3, xmm3", "vxorps xmm4, xmm4, xmm4", "vxorps xmm5, xmm5, xmm5",
-            "vxorps xmm6, xmm6, xmm6", "vxorps xmm7, xmm7, xmm7", "vxorps xmm8, xmm8, xmm8",
-            "vxorps xmm9, xmm9, xmm9", "vxorps xmm10, xmm10, xmm10", "vxorps xmm11, xmm11, xmm11",
-            "vxorps xmm12, xmm12, xmm12", "vxorps xmm13, xmm13, xmm13", "vxorps xmm14, xmm14, xmm14",
-            "vxorps xmm15, xmm15, xmm15",
-            "2:",
-            "vdpbf16ps zmm0, zmm16, zmm17", "vdpbf16ps zmm1, zmm16, zmm17",
-            "vdpbf16ps zmm2, zmm16, zmm17", "vdpbf16ps zmm3, zmm16, zmm17",
-            "vdpbf16ps zmm4, zmm16, zmm17", "vdpbf16ps zmm5, zmm16, zmm17",
-            "vdpbf16ps zmm6, zmm16, zmm17", "vdpbf16ps zmm7, zmm16, zmm17",
-            "vdpbf16ps zmm8, zmm16, zmm17", "vdpbf16ps zmm9, zmm16, zmm17",
-            "vdpbf16ps zmm10, zmm16, zmm17", "vdpbf16ps zmm11, zmm16, zmm17",
-            "vdpbf16ps zmm12, zmm16, zmm17", "vdpbf16ps zmm13, zmm16, zmm17",
-            "vdpbf16ps zmm14, zmm16, zmm17", "vdpbf16ps zmm15, zmm16, zmm17",
-            "dec {n}",
-            "jnz 2b",
-            n = inout(reg) trips.max(1) => _,
-            in("zmm16") a, in("zmm17") b,
-            out("zmm0") out, out("zmm1") _, out("zmm2") _, out("zmm3") _,
-            out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
-            out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
-            out("zmm12") _, out("zmm13") _, out("zmm14") _, out("zmm15") _,
-            options(nostack, nomem),
-        );
-    }
-    _mm512_reduce_add_ps(out)
+    _mm512_reduce_add_ps(chains!("vdpbf16ps", trips, a, b))
 }
 
-/// `trips` × 16 `vfmadd231ps` on register operands (in
-/// assembly, as [`dot_chains`]).
+/// `trips` × 16 `vfmadd231ps` on register operands ([`chains`]).
 ///
 /// # Safety
 /// The CPU must have AVX-512F.
@@ -161,37 +169,7 @@ unsafe fn dot_chains(trips: usize) -> f32 {
 unsafe fn fma_chains(trips: usize) -> f32 {
     let a = _mm512_set1_ps(std::hint::black_box(1.0));
     let b = _mm512_set1_ps(std::hint::black_box(1e-20));
-    let out: __m512;
-    // SAFETY: registers only; the caller guarantees the instructions.
-    unsafe {
-        std::arch::asm!(
-            "vxorps xmm0, xmm0, xmm0", "vxorps xmm1, xmm1, xmm1", "vxorps xmm2, xmm2, xmm2",
-            "vxorps xmm3, xmm3, xmm3", "vxorps xmm4, xmm4, xmm4", "vxorps xmm5, xmm5, xmm5",
-            "vxorps xmm6, xmm6, xmm6", "vxorps xmm7, xmm7, xmm7", "vxorps xmm8, xmm8, xmm8",
-            "vxorps xmm9, xmm9, xmm9", "vxorps xmm10, xmm10, xmm10", "vxorps xmm11, xmm11, xmm11",
-            "vxorps xmm12, xmm12, xmm12", "vxorps xmm13, xmm13, xmm13", "vxorps xmm14, xmm14, xmm14",
-            "vxorps xmm15, xmm15, xmm15",
-            "2:",
-            "vfmadd231ps zmm0, zmm16, zmm17", "vfmadd231ps zmm1, zmm16, zmm17",
-            "vfmadd231ps zmm2, zmm16, zmm17", "vfmadd231ps zmm3, zmm16, zmm17",
-            "vfmadd231ps zmm4, zmm16, zmm17", "vfmadd231ps zmm5, zmm16, zmm17",
-            "vfmadd231ps zmm6, zmm16, zmm17", "vfmadd231ps zmm7, zmm16, zmm17",
-            "vfmadd231ps zmm8, zmm16, zmm17", "vfmadd231ps zmm9, zmm16, zmm17",
-            "vfmadd231ps zmm10, zmm16, zmm17", "vfmadd231ps zmm11, zmm16, zmm17",
-            "vfmadd231ps zmm12, zmm16, zmm17", "vfmadd231ps zmm13, zmm16, zmm17",
-            "vfmadd231ps zmm14, zmm16, zmm17", "vfmadd231ps zmm15, zmm16, zmm17",
-            "dec {n}",
-            "jnz 2b",
-            n = inout(reg) trips.max(1) => _,
-            in("zmm16") a, in("zmm17") b,
-            out("zmm0") out, out("zmm1") _, out("zmm2") _, out("zmm3") _,
-            out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
-            out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
-            out("zmm12") _, out("zmm13") _, out("zmm14") _, out("zmm15") _,
-            options(nostack, nomem),
-        );
-    }
-    _mm512_reduce_add_ps(out)
+    _mm512_reduce_add_ps(chains!("vfmadd231ps", trips, a, b))
 }
 
 /// f32 to bf16 bits (round to nearest even), widened to a word.
