@@ -7,7 +7,8 @@ use rayon::prelude::*;
 
 use super::LossOutput;
 use crate::device::cpu::{
-    GemmMath, bf16_to_f32_par, f16_to_f32, f32_to_bf16_par, f32_to_f16, round_to_bf16, round_to_f16,
+    GemmMath, bf16_to_f32_par, f16_to_f32_par, f32_to_bf16_par, f32_to_f16_par, round_to_bf16,
+    round_to_f16,
 };
 use crate::error::Result;
 use crate::ops::batchnorm::{self as bn, BnOut};
@@ -438,10 +439,7 @@ pub(super) fn widen(dst: &mut Tensor, src: &Tensor) {
     let d = dst.f32_mut();
     match src.dtype() {
         DType::BF16 => bf16_to_f32_par(d, bytemuck::cast_slice(src.bf16())),
-        DType::F16 => d
-            .par_chunks_mut(CHUNK)
-            .zip(bytemuck::cast_slice::<_, u16>(src.f16()).par_chunks(CHUNK))
-            .for_each(|(d, s)| f16_to_f32(d, s)),
+        DType::F16 => f16_to_f32_par(d, bytemuck::cast_slice(src.f16())),
         DType::F32 => d.copy_from_slice(src.f32()),
         other => panic!("{}: cannot widen {other:?} to f32", src.tag()),
     }
@@ -451,10 +449,7 @@ pub(super) fn narrow(dst: &mut Tensor, src: &Tensor) {
     let s = src.f32();
     match dst.dtype() {
         DType::BF16 => f32_to_bf16_par(bytemuck::cast_slice_mut(dst.bf16_mut()), s),
-        DType::F16 => bytemuck::cast_slice_mut::<_, u16>(dst.f16_mut())
-            .par_chunks_mut(CHUNK)
-            .zip(s.par_chunks(CHUNK))
-            .for_each(|(d, s)| f32_to_f16(d, s)),
+        DType::F16 => f32_to_f16_par(bytemuck::cast_slice_mut(dst.f16_mut()), s),
         other => panic!("{}: cannot narrow f32 to {other:?}", dst.tag()),
     }
 }

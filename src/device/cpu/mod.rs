@@ -340,6 +340,24 @@ pub fn f32_to_bf16_par(dst: &mut [u16], src: &[f32]) {
         .for_each(|(d, s)| f32_to_bf16(d, s));
 }
 
+/// [`f16_to_f32`] split over the threads.
+pub fn f16_to_f32_par(dst: &mut [f32], src: &[u16]) {
+    use rayon::prelude::*;
+    assert_eq!(dst.len(), src.len(), "f16_to_f32_par: lengths");
+    dst.par_chunks_mut(PAR_CHUNK)
+        .zip(src.par_chunks(PAR_CHUNK))
+        .for_each(|(d, s)| f16_to_f32(d, s));
+}
+
+/// [`f32_to_f16`] split over the threads.
+pub fn f32_to_f16_par(dst: &mut [u16], src: &[f32]) {
+    use rayon::prelude::*;
+    assert_eq!(dst.len(), src.len(), "f32_to_f16_par: lengths");
+    dst.par_chunks_mut(PAR_CHUNK)
+        .zip(src.par_chunks(PAR_CHUNK))
+        .for_each(|(d, s)| f32_to_f16(d, s));
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
