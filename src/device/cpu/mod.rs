@@ -322,40 +322,39 @@ pub fn round_to_bf16_par(v: &mut [f32]) {
     v.par_chunks_mut(PAR_CHUNK).for_each(round_to_bf16);
 }
 
-/// [`bf16_to_f32`] split over the threads.
-pub fn bf16_to_f32_par(dst: &mut [f32], src: &[u16]) {
+/// `convert(dst chunk, src chunk)` over equal-length slices, split over the
+/// threads in [`PAR_CHUNK`]-element chunks (the four `*_par` conversions).
+fn convert_par<D: Send, S: Sync>(
+    what: &str,
+    dst: &mut [D],
+    src: &[S],
+    convert: impl Fn(&mut [D], &[S]) + Sync,
+) {
     use rayon::prelude::*;
-    assert_eq!(dst.len(), src.len(), "bf16_to_f32_par: lengths");
+    assert_eq!(dst.len(), src.len(), "{what}: lengths");
     dst.par_chunks_mut(PAR_CHUNK)
         .zip(src.par_chunks(PAR_CHUNK))
-        .for_each(|(d, s)| bf16_to_f32(d, s));
+        .for_each(|(d, s)| convert(d, s));
+}
+
+/// [`bf16_to_f32`] split over the threads.
+pub fn bf16_to_f32_par(dst: &mut [f32], src: &[u16]) {
+    convert_par("bf16_to_f32_par", dst, src, bf16_to_f32);
 }
 
 /// [`f32_to_bf16`] split over the threads.
 pub fn f32_to_bf16_par(dst: &mut [u16], src: &[f32]) {
-    use rayon::prelude::*;
-    assert_eq!(dst.len(), src.len(), "f32_to_bf16_par: lengths");
-    dst.par_chunks_mut(PAR_CHUNK)
-        .zip(src.par_chunks(PAR_CHUNK))
-        .for_each(|(d, s)| f32_to_bf16(d, s));
+    convert_par("f32_to_bf16_par", dst, src, f32_to_bf16);
 }
 
 /// [`f16_to_f32`] split over the threads.
 pub fn f16_to_f32_par(dst: &mut [f32], src: &[u16]) {
-    use rayon::prelude::*;
-    assert_eq!(dst.len(), src.len(), "f16_to_f32_par: lengths");
-    dst.par_chunks_mut(PAR_CHUNK)
-        .zip(src.par_chunks(PAR_CHUNK))
-        .for_each(|(d, s)| f16_to_f32(d, s));
+    convert_par("f16_to_f32_par", dst, src, f16_to_f32);
 }
 
 /// [`f32_to_f16`] split over the threads.
 pub fn f32_to_f16_par(dst: &mut [u16], src: &[f32]) {
-    use rayon::prelude::*;
-    assert_eq!(dst.len(), src.len(), "f32_to_f16_par: lengths");
-    dst.par_chunks_mut(PAR_CHUNK)
-        .zip(src.par_chunks(PAR_CHUNK))
-        .for_each(|(d, s)| f32_to_f16(d, s));
+    convert_par("f32_to_f16_par", dst, src, f32_to_f16);
 }
 
 #[cfg(test)]
