@@ -33,6 +33,24 @@ impl<'a> MatRef<'a> {
         }
     }
 
+    /// Rows `r0..r1` of the matrix; no data moves.
+    pub fn row_range(self, r0: usize, r1: usize) -> Self {
+        assert!(
+            r0 <= r1 && r1 <= self.rows,
+            "MatRef::row_range: rows out of range"
+        );
+        let data = if r0 == r1 {
+            &self.data[..0]
+        } else {
+            &self.data[r0 * self.rs..]
+        };
+        MatRef {
+            data,
+            rows: r1 - r0,
+            ..self
+        }
+    }
+
     /// The transpose view; no data moves.
     pub fn t(self) -> Self {
         MatRef {
