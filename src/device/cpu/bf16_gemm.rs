@@ -616,20 +616,19 @@ pub(super) fn gemm_bf16_kernel(
         super::amx::gemm(dst, a, bp, k, n, overwrite, round_output);
         return;
     }
-    let (pairs, panels) = (k.div_ceil(2), n.div_ceil(NR));
+    let panels = n.div_ceil(NR);
     // A `b` this call packs is packed one chunk of k at a time, into a
     // buffer that stays in cache while every task reads it. Packed whole,
     // a weight gradient's `dy` (k = every pixel of the batch) is megabytes,
     // written out once and read back from memory by each task. Chunks are
     // whole k-blocks, so every output sums the same blocks in the same
     // order either way: the bits do not change.
-    let chunk = match b {
-        Rhs::F32(_) => rhs_chunk(n).min(k.next_multiple_of(KC)),
-        Rhs::Packed(_) => k,
-    };
-    let mut chunk_words = match b {
-        Rhs::F32(_) => take_words(panel_pairs(chunk) * panels * NR),
-        Rhs::Packed(_) => Vec::new(),
+    let (chunk, mut chunk_words) = match b {
+        Rhs::F32(_) => {
+            let chunk = rhs_chunk(n).min(k.next_multiple_of(KC));
+            (chunk, take_words(panel_pairs(chunk) * panels * NR))
+        }
+        Rhs::Packed(_) => (k, Vec::new()),
     };
     for c0 in (0..k).step_by(chunk) {
         let c1 = (c0 + chunk).min(k);
@@ -652,7 +651,6 @@ pub(super) fn gemm_bf16_kernel(
                 pitch,
                 (m, k, n),
                 (c0, c1),
-                pairs,
                 overwrite,
                 round_output,
             )
@@ -690,11 +688,10 @@ unsafe fn run_chunk(
     pitch: usize,
     (m, k, n): (usize, usize, usize),
     (c0, c1): (usize, usize),
-    pairs: usize,
     overwrite: bool,
     round_output: bool,
 ) {
-    let panels = n.div_ceil(NR);
+    let (pairs, panels) = (k.div_ceil(2), n.div_ceil(NR));
     let mc_task = rows_per_task(m);
     dst[..m * n]
         .par_chunks_mut(mc_task * n)
